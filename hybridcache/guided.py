@@ -40,7 +40,14 @@ class GuidedKind(enum.Enum):
     REGEX = "regex"
     GRAMMAR = "grammar"  # EBNF (GBNF) text, or Lark text (no `::=` rule: `is_lark`)
     CHOICE = "choice"  # `spec`: a JSON list of strings, the completion is one of them
-    TOOL_CALLS = "tool_calls"  # `spec`: a JSON list of tool schemas; Qwen <tool_call> blocks (one unless `parallel`)
+    TOOL_CALLS = "tool_calls"  # `spec`: a JSON list of tool schemas; calls in `tool_format` (one unless `parallel`)
+
+
+# How a forced tool call is written (`GuidedSpec.tool_format`), each call `{"name": N, "arguments": A}`:
+#   "qwen"      Qwen3's blocks, a newline between two:  <tool_call>\n{call}\n</tool_call>
+#   "nemotron"  NVIDIA's one list (Nemotron-Nano-9B-v2, `--tool-call-parser nemotron_json`):
+#               <TOOLCALL>[{call}, {call}]</TOOLCALL>
+TOOL_FORMATS = ("qwen", "nemotron")
 
 
 @dataclass(frozen=True)
@@ -48,13 +55,19 @@ class GuidedSpec:
     """A constraint: `kind` and its `spec` text. `starts_after`: the constraint applies from the token after the
     one with which the completion's text first contains this marker, and the completion is free until then (a
     reasoning model's `</think>`: the answer is constrained, its reasoning is not, as vLLM does with a reasoning
-    parser); "" = from the first token. `parallel` (TOOL_CALLS only): one or more calls, a newline between two (as
-    Qwen's chat templates write them), rather than exactly one."""
+    parser); "" = from the first token. `parallel` (TOOL_CALLS only): one or more calls rather than exactly one;
+    `tool_format` (TOOL_CALLS only): how the calls are written, one of `TOOL_FORMATS` (the model's own format, which
+    the server's tool-call parser reads)."""
 
     kind: GuidedKind
     spec: str = ""
     starts_after: str = ""
     parallel: bool = False
+    tool_format: str = "qwen"
+
+    def __post_init__(self) -> None:
+        if self.tool_format not in TOOL_FORMATS:
+            raise ValueError(f"unknown tool-call format {self.tool_format!r}; known: {', '.join(TOOL_FORMATS)}")
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> GuidedSpec:
@@ -63,11 +76,12 @@ class GuidedSpec:
         return cls(GuidedKind.JSON_SCHEMA, json.dumps(schema))
 
     @classmethod
-    def tool_calls(cls, tools: Sequence[dict[str, Any]], parallel: bool = False) -> GuidedSpec:
-        """Qwen3's tool-call format, one block: `<tool_call>\\n{"name": N, "arguments": A}\\n</tool_call>`
-        with N one of `tools`' names and A valid for that tool's `parameters` schema (arguments in its order);
-        `parallel`: one or more such blocks, a newline between two."""
-        return cls(GuidedKind.TOOL_CALLS, json.dumps(list(tools)), parallel=parallel)
+    def tool_calls(cls, tools: Sequence[dict[str, Any]], parallel: bool = False,
+                   tool_format: str = "qwen") -> GuidedSpec:
+        """One call `{"name": N, "arguments": A}` with N one of `tools`' names and A valid for that tool's
+        `parameters` schema (arguments in its order), written in `tool_format` (`TOOL_FORMATS`); `parallel`: one or
+        more calls."""
+        return cls(GuidedKind.TOOL_CALLS, json.dumps(list(tools)), parallel=parallel, tool_format=tool_format)
 
 
 class GuidedUnavailable(ValueError):
@@ -178,7 +192,7 @@ class GrammarCache:
                 compiled = self._fallback.json_schema(json.loads(spec.spec))
             else:
                 compiled = self._fallback.tool_calls([_call_schema(tool) for tool in json.loads(spec.spec)],
-                                                     spec.parallel)
+                                                     spec.parallel, spec.tool_format)
         except LLGuidanceMissing as error:
             raise ValueError(f"{prefix} by xgrammar (it would not enforce it), and {error}") from None
         except ValueError as error:  # (llguidance's reason first: it names what no backend here enforces)
@@ -322,9 +336,13 @@ def _grammar(xgr: Any, spec: GuidedSpec) -> Any:
     if kind is GuidedKind.CHOICE:
         choices = json.loads(spec.spec)
         return xgr.Grammar.union(*(_literal(xgr, choice) for choice in choices))
-    calls = [_tool_call_grammar(xgr, tool) for tool in json.loads(spec.spec)]
+    calls = [_json_schema(xgr, _call_schema(tool)) for tool in json.loads(spec.spec)]
     call = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
-    return _one_or_more(xgr, call, "\n") if spec.parallel else call
+    if spec.tool_format == "nemotron":
+        listed = _one_or_more(xgr, call, ", ") if spec.parallel else call
+        return xgr.Grammar.concat(_literal(xgr, "<TOOLCALL>["), listed, _literal(xgr, "]</TOOLCALL>"))
+    block = xgr.Grammar.concat(_literal(xgr, "<tool_call>\n"), call, _literal(xgr, "\n</tool_call>"))
+    return _one_or_more(xgr, block, "\n") if spec.parallel else block
 
 
 def _one_or_more(xgr: Any, grammar: Any, separator: str) -> Any:
@@ -334,12 +352,6 @@ def _one_or_more(xgr: Any, grammar: Any, separator: str) -> Any:
     name = next(f"repeated{i}" for i in range(len(names) + 1) if f"repeated{i}" not in names)
     separator = json.dumps(separator, ensure_ascii=False)
     return xgr.Grammar.from_ebnf(f"{text}\n{name} ::= root ({separator} root)*\n", root_rule_name=name)
-
-
-def _tool_call_grammar(xgr: Any, tool: dict[str, Any]) -> Any:
-    """`<tool_call>\\n{"name": "<name>", "arguments": <args>}\\n</tool_call>` for one tool."""
-    body = _json_schema(xgr, _call_schema(tool))
-    return xgr.Grammar.concat(_literal(xgr, "<tool_call>\n"), body, _literal(xgr, "\n</tool_call>"))
 
 
 def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:

@@ -217,17 +217,24 @@ class LLGuidanceCompiler:
         llg = _llguidance()
         return self._compile(llg, llg.LLMatcher.grammar_from_json_schema(strict(schema), overrides=_JSON_OPTIONS))
 
-    def tool_calls(self, call_schemas: Sequence[dict[str, Any]], parallel: bool) -> LLGuidanceGrammar:
-        """Qwen3's tool-call blocks, `<tool_call>\\n<call>\\n</tool_call>`, a call valid for one of `call_schemas`
-        (`tool_call_schema`: name and arguments; read as `strict` says); `parallel`: one or more blocks, a newline
-        between two."""
+    def tool_calls(self, call_schemas: Sequence[dict[str, Any]], parallel: bool,
+                   tool_format: str = "qwen") -> LLGuidanceGrammar:
+        """Calls valid for one of `call_schemas` (`tool_call_schema`: name and arguments; read as `strict` says),
+        written as `guided.TOOL_FORMATS` describes `tool_format`: Qwen3's `<tool_call>\\n<call>\\n</tool_call>`
+        blocks, a newline between two, or NVIDIA's `<TOOLCALL>[<call>, <call>]</TOOLCALL>`; `parallel`: one or
+        more calls."""
         for schema in call_schemas:
             _refuse_negative_only_multiples(schema)
         bodies = [f"call{i}: %json {json.dumps({**strict(schema), 'x-guidance': _JSON_OPTIONS})}"
                   for i, schema in enumerate(call_schemas)]
+        if tool_format == "nemotron":
+            start = ['start: "<TOOLCALL>[" call (", " call)* "]</TOOLCALL>"' if parallel
+                     else 'start: "<TOOLCALL>[" call "]</TOOLCALL>"']
+        else:
+            start = ['start: block ("\\n" block)*' if parallel else "start: block",
+                     'block: "<tool_call>\\n" call "\\n</tool_call>"']
         lark = "\n".join([
-            'start: block ("\\n" block)*' if parallel else "start: block",
-            'block: "<tool_call>\\n" call "\\n</tool_call>"',
+            *start,
             "call: " + " | ".join(f"call{i}" for i in range(len(bodies))),
             *bodies, ""])
         return self._compile(_llguidance(), lark)

@@ -69,7 +69,8 @@ class DevicePools:
     kv_groups    : one tensor per distinct `AttentionSpec`, [layers, 2, num_pages, kernel_block_size, Hkv, D]
                    (index 0 of dim 1 = keys after q/k-norm and RoPE, 1 = values)
     state_groups : one tensor per distinct `StateTensorSpec`, [layers, num_slots, *shape]
-    layers       : per decoder layer, its `LayerState` (views into the groups)
+    layers       : per state layer, its `LayerState` (views into the groups): one a decoder layer, or the model's
+                   `states_per_layer` of each (Falcon-H1: its attention's KV, then its Mamba2 state)
     slot_state   : name -> [num_slots, *shape] of each per-slot tensor of no layer (`slot_specs`); its group
                    is in `state_groups` too
     """
@@ -91,8 +92,8 @@ class DevicePools:
         device: torch.device | str = "cpu",
         slot_specs: Sequence[StateTensorSpec] = (),
     ) -> DevicePools:
-        """Zeroed pools for `specs` (one per decoder layer, in layer order) and for `slot_specs` (per-slot
-        tensors of no layer, see the module docstring)."""
+        """Zeroed pools for `specs` (one per state layer, in layer order: `HybridCausalLM.state_specs`) and for
+        `slot_specs` (per-slot tensors of no layer, see the module docstring)."""
         members: dict[AttentionSpec | StateTensorSpec, list[int]] = {}
         for layer_id, spec in enumerate(specs):
             keys = (spec,) if isinstance(spec, AttentionSpec) else spec.tensors

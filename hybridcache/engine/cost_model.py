@@ -8,20 +8,22 @@ Read from a model folder's config.json through `ModelConfig` (only that file is 
                                               4 for the default fp32, 2 with --mamba-ssm-cache-dtype bfloat16)
                          + Mamba2 layers * (conv_dim * (kernel - 1) * dtype bytes + heads * head_dim * state_size
                                             * ssm bytes)
+                         + Mamba1 layers * (d_inner * (kernel - 1) * dtype bytes + d_inner * state_size * ssm bytes)
                          + short-conv layers * hidden_size * (kernel - 1) * dtype bytes   (LFM2: a conv state only)
                          + hidden_size * dtype bytes           (the last hidden state, for zero-prefill hits)
+    (a Falcon-H1 layer, attention and Mamba2 side by side, counts as an attention layer and a Mamba2 layer)
     flops_per_token    = 2 * active parameters (embeddings excluded, lm_head included; a layer's feed-forward
                                                  block where it has one: every layer, or Nemotron-H's MLP and MoE
                                                  layers, which have no state and 2 matrices an MLP, relu^2, not 3;
                                                  an MoE block: its router, its top-k experts, its shared expert
-                                                 (+ its gate but for Granite and Nemotron-H; LFM2-MoE has none),
-                                                 Nemotron-H's latent
-                                                 projections; attention with an output gate for the Qwen models
-                                                 alone; OLMo Hybrid's DeltaNet projections,
-                                                 q k v g a b, are Qwen's q k v z a b; an LFM2 short conv: in_proj
+                                                 (+ its gate: Qwen's only; LFM2-MoE has no shared expert),
+                                                 Nemotron-H's latent projections; attention with an output gate for
+                                                 the Qwen models alone; OLMo Hybrid's DeltaNet projections, q k v g
+                                                 a b, are Qwen's q k v z a b; an LFM2 short conv: in_proj
                                                  (B | C | x), the conv's taps, out_proj)
                          + DeltaNet layers * 6 * v_heads * k_head_dim * v_head_dim        (state update, readout)
                          + Mamba2 layers * 6 * heads * head_dim * state_size
+                         + Mamba1 layers * 6 * d_inner * state_size
     attention pairs    = 4 * attention layers * heads * head_dim FLOPs per (query, key) pair (QK^T and PV)
     prefill_flops(n)   = flops_per_token * n + pair FLOPs * n (n + 1) / 2
 
@@ -43,8 +45,13 @@ from pathlib import Path
 from hybridcache.cache import CostModel
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine_args import AUTO, auto_ssm_dtype
-from hybridcache.models.config import LayerKind, ModelConfig
+from hybridcache.models.config import RECURRENT_KINDS, LayerKind, ModelConfig
 
+# The model types whose attention has an output gate (q_proj twice as wide) and whose shared expert has a gate (the
+# others: neither)
+_QWEN_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# The recurrent mixer of a layer kind whose layer holds one beside its attention (Falcon-H1's parallel layer)
+_RECURRENT_MIXER = {LayerKind.HYBRID: LayerKind.MAMBA2}
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
 
 
@@ -83,21 +90,19 @@ class ModelCost:
         h = c.hidden_size
         q_dim = attention.num_heads * attention.head_dim
         kv_dim = attention.num_kv_heads * attention.head_dim
-        ungated_shared = c.model_type in ("granitemoehybrid", "nemotron_h", "lfm2_moe")  # no shared expert gate
-        gated_attention = c.model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")  # Qwen's output gate
-        attn_params = h * (2 if gated_attention else 1) * q_dim + 2 * h * kv_dim + q_dim * h  # q (+ gate), k, v, o
+        qwen = c.model_type in _QWEN_TYPES  # gated attention, a gated shared expert (the others: neither)
+        attn_params = h * (2 if qwen else 1) * q_dim + 2 * h * kv_dim + q_dim * h  # q (+ gate), k, v, o
         mlp_matrices = 2 if c.hidden_act == "relu2" else 3  # up, down (Nemotron-H's relu^2) or gate, up, down
         # per recurrent layer: (parameters, state update and readout FLOPs per token, state bytes)
-        recurrent = {kind: _recurrent_cost(c, kind, dtype_bytes, ssm_bytes)
-                     for kind in set(c.layer_types) & {LayerKind.LINEAR_ATTENTION, LayerKind.MAMBA2,
-                                                       LayerKind.SHORT_CONV}}
+        recurrent = {kind: _recurrent_cost(c, _RECURRENT_MIXER.get(kind, kind), dtype_bytes, ssm_bytes)
+                     for kind in set(c.layer_types) & RECURRENT_KINDS}
         params = h * c.vocab_size  # lm_head
         flops = 0
         state_bytes = h * dtype_bytes  # the last hidden state
         for layer_id, kind in enumerate(c.layer_types):
-            if kind is LayerKind.FULL_ATTENTION:
+            if kind in (LayerKind.FULL_ATTENTION, LayerKind.HYBRID):  # (Falcon-H1's: attention and Mamba2 both)
                 params += attn_params
-            elif kind in recurrent:
+            if kind in recurrent:
                 params += recurrent[kind][0]
                 flops += recurrent[kind][1]
                 state_bytes += recurrent[kind][2]
@@ -107,7 +112,7 @@ class ModelCost:
                 width = mlp.moe_latent_size or h  # the experts' input and output (Nemotron-H's latent projections)
                 expert = mlp_matrices * width * mlp.moe_intermediate_size
                 params += h * mlp.num_experts + mlp.num_experts_per_tok * expert
-                params += mlp_matrices * h * mlp.shared_expert_intermediate_size + (0 if ungated_shared else h)
+                params += mlp_matrices * h * mlp.shared_expert_intermediate_size + (h if qwen else 0)
                 params += 2 * h * width if mlp.moe_latent_size else 0
             else:
                 params += mlp_matrices * h * (mlp.intermediate_size or 0)
@@ -128,6 +133,14 @@ def _recurrent_cost(c: ModelConfig, kind: LayerKind, dtype_bytes: int, ssm_bytes
         conv = c.short_conv
         assert conv is not None
         return 3 * h * h + h * conv.conv_kernel_size + h * h, 0, h * conv.conv_width * dtype_bytes
+    if kind is LayerKind.MAMBA1:
+        m1 = c.mamba1
+        assert m1 is not None
+        inner, rank = m1.intermediate_size, m1.dt_rank
+        state = inner * m1.state_size
+        params = (h * 2 * inner + inner * m1.conv_kernel_size  # in_proj: x, gate; conv
+                  + inner * (rank + 2 * m1.state_size) + rank * inner + inner * h)  # x_proj, dt_proj, out_proj
+        return params, 6 * state, inner * m1.conv_width * dtype_bytes + state * ssm_bytes
     if kind is LayerKind.MAMBA2:
         m = c.mamba2
         assert m is not None

@@ -94,7 +94,7 @@ def run_draft_plan(plan: DraftPlan, *, head: torch.nn.Module, model: torch.nn.Mo
 
 def head_kv(model: torch.nn.Module, pools: DevicePools) -> tuple[LayerState, ...]:
     """The MTP head's KV layers of `pools` (the layers after the target's)."""
-    return tuple(pools.layers[len(model.model.layers):])
+    return tuple(pools.layers[model.num_state_layers:])
 
 
 def draft_chain(batch: ForwardBatch, hidden: torch.Tensor, first: torch.Tensor,

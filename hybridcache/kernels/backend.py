@@ -19,7 +19,7 @@ Backends may not change results beyond float rounding; the reference backend def
 Notation: T tokens of the step, S sequences, Hq / Hkv attention query / kv heads, D attention head dim,
 C conv channels, K conv kernel size, Hk / Hv DeltaNet key / value heads, Dk / Dv their head dims,
 H hidden size, k experts per token, E experts, I expert width; Mamba2: Hm heads of Pm channels, G groups, N state
-size.
+size; Mamba1: I channels (its d_inner), N state size.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from hybridcache.kernels.encoder_attention.base import EncoderAttention
 from hybridcache.kernels.gated_delta import reference as delta_ref
 from hybridcache.kernels.gemm import dense as dense_gemm
 from hybridcache.kernels.gemm.base import GemmBackend
+from hybridcache.kernels.mamba1 import reference as mamba1_ref
 from hybridcache.kernels.mamba2 import reference as mamba2_ref
 from hybridcache.kernels.moe import reference as moe_ref
 from hybridcache.kernels.norm import reference as norm_ref
@@ -193,10 +194,35 @@ class KernelBackend(Protocol):
         """
         ...
 
+    def selective_scan(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        B: torch.Tensor,  # noqa: N803 (Mamba's names)
+        C: torch.Tensor,  # noqa: N803
+        A_log: torch.Tensor,  # noqa: N803
+        dt_bias: torch.Tensor,
+        D: torch.Tensor,  # noqa: N803
+        z: torch.Tensor | None,
+        ssm_layer: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Mamba1's selective scan per sequence, continuing from its recurrent state (`kernels/mamba1/reference.py`).
+
+        x         [T, I];  dt [T, I] raw (before dt_bias and softplus);  B, C [T, N];  z [T, I] the gate, or None
+        A_log     [I, N]   (A = -exp(A_log));  dt_bias, D [I]
+        ssm_layer [num_slots, I, N]   state S of each slot (fp32 by default); updated in place for every
+                  sequence (fresh sequences start from zeros)
+        returns   [T, I] fp32. Per token: dt = softplus(dt + dt_bias); S = exp(dt A) S + (dt x) (x) B;
+                  y = (S C + D x) * silu(z)
+        """
+        ...
+
     def gated_group_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                             group_size: int) -> torch.Tensor:
-        """Mamba2's gated RMSNorm (gate before the norm, the norm per group of `group_size` channels): x, gate
-        [T, I], weight [I] -> weight * norm(x * silu(gate)) [T, I] in gate's dtype, in fp32 and rounded once."""
+                             group_size: int, norm_before_gate: bool = False) -> torch.Tensor:
+        """Mamba2's gated RMSNorm (the norm per group of `group_size` channels): x, gate [T, I], weight [I] ->
+        weight * norm(x * silu(gate)) [T, I] (the gate first), or with `norm_before_gate` weight * norm(x) *
+        silu(gate) (Falcon-H1's), in gate's dtype, in fp32 and rounded once."""
         ...
 
     def delta_gates(
@@ -325,10 +351,11 @@ class ReferenceBackend:
     """The torch reference kernels behind the `KernelBackend` ops (any device; the CPU ground truth).
 
     Recurrent ops: sequences decoding one token from a saved state go through the batched step kernels
-    (`causal_conv1d_step`, `gated_delta_rule_step`, Mamba2's `ssd_step`); every other sequence runs alone through
-    the sequence kernels (`causal_conv1d`, `chunk_gated_delta_rule`, or `recurrent_gated_delta_rule` for one
-    fresh token; Mamba2's `ssd_chunk_scan`); a verify row of speculative decoding (`batch.draft_slots_cpu`) runs
-    its positions as decode steps (`gated_delta_rule_verify`, `ssd_states_after`) and keeps the conv and recurrent
+    (`causal_conv1d_step`, `gated_delta_rule_step`, Mamba2's `ssd_step`, Mamba1's `selective_step`); every other
+    sequence runs alone through the sequence kernels (`causal_conv1d`, `chunk_gated_delta_rule`, or
+    `recurrent_gated_delta_rule` for one fresh token; Mamba2's `ssd_chunk_scan`, Mamba1's `selective_scan`); a verify
+    row of speculative decoding (`batch.draft_slots_cpu`) runs its positions as decode steps
+    (`gated_delta_rule_verify`, `ssd_states_after`, `selective_states_after`) and keeps the conv and recurrent
     state after each of its first n positions in its draft rows. Attention: its `attention_backend` (default
     `ReferenceAttention`: `paged_attention`).
     """
@@ -453,6 +480,13 @@ class ReferenceBackend:
         return mamba2_scan(x, dt, B, C, A_log, dt_bias, D, ssm_layer, batch, dt_limit=dt_limit,
                            decode=_metadata(batch).state_decode)
 
+    def selective_scan(
+        self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,  # noqa: N803
+        A_log: torch.Tensor, dt_bias: torch.Tensor, D: torch.Tensor, z: torch.Tensor | None,  # noqa: N803
+        ssm_layer: torch.Tensor, batch: ForwardBatch,
+    ) -> torch.Tensor:
+        return mamba1_scan(x, dt, B, C, A_log, dt_bias, D, z, ssm_layer, batch, decode=_metadata(batch).state_decode)
+
     def fuses_shared_expert(self, experts: Sequence[nn.Module], shared_expert: nn.Module) -> bool:
         return False  # the layer runs the shared expert and passes its output
 
@@ -538,19 +572,19 @@ def _sequence_rows(batch: ForwardBatch, meta: ReferenceMetadata) -> list[tuple[i
     ]
 
 
-def mamba2_scan(
-    x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, A_log: torch.Tensor,  # noqa: N803
-    dt_bias: torch.Tensor, D: torch.Tensor, ssm_layer: torch.Tensor, batch: ForwardBatch, *,  # noqa: N803
-    dt_limit: tuple[float, float], decode: DecodeRows | None,
+def scan_sequences(
+    batch: ForwardBatch, ssm_layer: torch.Tensor, out: torch.Tensor, decode: DecodeRows | None, *,
+    scan: Callable[[slice, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]],
+    states_after: Callable[[slice, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    step: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
 ) -> torch.Tensor:
-    """`KernelBackend.ssd_scan` on the torch reference kernels, for either backend (no host sync: the state rows
-    are indexed with `batch.state_slots` on the device, the rows found from the host lengths). The sequences of
-    `decode` (one token each, continuing a state) run together through `ssd_step`, every other one alone through
-    `ssd_chunk_scan` (a verify row, `batch.draft_slots_cpu`, token by token through `ssd_states_after`, keeping the
-    state after each of its first n positions in its draft rows)."""
-    A = -torch.exp(A_log.float())  # noqa: N806
-    dt = mamba2_ref.discretized_dt(dt, dt_bias, dt_limit)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    """A recurrent scan of a varlen batch on torch kernels of one family (Mamba2's, Mamba1's), for either backend
+    (no host sync: the state rows are indexed with `batch.state_slots` on the device, the rows found from the host
+    lengths). Each sequence not in `decode` runs alone: `scan(rows, initial state or None for a fresh one)` ->
+    (y, final state), or, a verify row (`batch.draft_slots_cpu`), `states_after(rows, initial)` -> (y, the state
+    after each position), the state after each of its first n positions kept in its draft rows; the sequences of
+    `decode` (one token each, continuing a state) run together, `step(their rows, their states)` -> (y, states).
+    Outputs go to `out` [T, ...] (returned), final states to each sequence's slot in the pool's dtype."""
     batched = set() if decode is None else set(decode.seq_ids)
     start = 0
     for i, (query_len, context_len) in enumerate(zip(batch.query_lens_cpu, batch.context_lens_cpu, strict=True)):
@@ -562,17 +596,62 @@ def mamba2_scan(
         drafts = batch.draft_slots_cpu[i] if batch.draft_slots_cpu else ()
         if drafts:  # a verify row: one position at a time, keeping each position's state
             initial = torch.zeros_like(ssm_layer[0]) if initial is None else initial
-            out[rows], states = mamba2_ref.ssd_states_after(x[rows], dt[rows], A, B[rows], C[rows], D, initial)
+            out[rows], states = states_after(rows, initial)
             ssm_layer[list(drafts)] = states[: len(drafts)].to(ssm_layer.dtype)
             final = states[-1]
         else:
-            out[rows], final = mamba2_ref.ssd_chunk_scan(x[rows], dt[rows], A, B[rows], C[rows], D, initial)
+            out[rows], final = scan(rows, initial)
         ssm_layer.index_copy_(0, slot, final[None].to(ssm_layer.dtype))
     if decode is not None:
-        rows = decode.rows
-        out[rows], state = mamba2_ref.ssd_step(x[rows], dt[rows], A, B[rows], C[rows], D, ssm_layer[decode.slots])
+        out[decode.rows], state = step(decode.rows, ssm_layer[decode.slots])
         ssm_layer.index_copy_(0, decode.slots, state.to(ssm_layer.dtype))
     return out
+
+
+def mamba2_scan(
+    x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, A_log: torch.Tensor,  # noqa: N803
+    dt_bias: torch.Tensor, D: torch.Tensor, ssm_layer: torch.Tensor, batch: ForwardBatch, *,  # noqa: N803
+    dt_limit: tuple[float, float], decode: DecodeRows | None,
+) -> torch.Tensor:
+    """`KernelBackend.ssd_scan` on the torch reference kernels, for either backend (`scan_sequences`): the sequences
+    of `decode` through `ssd_step`, every other one alone through `ssd_chunk_scan` (a verify row token by token
+    through `ssd_states_after`)."""
+    A = -torch.exp(A_log.float())  # noqa: N806
+    dt = mamba2_ref.discretized_dt(dt, dt_bias, dt_limit)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return scan_sequences(
+        batch, ssm_layer, out, decode,
+        scan=lambda rows, state: mamba2_ref.ssd_chunk_scan(x[rows], dt[rows], A, B[rows], C[rows], D, state),
+        states_after=lambda rows, state: mamba2_ref.ssd_states_after(x[rows], dt[rows], A, B[rows], C[rows], D,
+                                                                     state),
+        step=lambda rows, state: mamba2_ref.ssd_step(x[rows], dt[rows], A, B[rows], C[rows], D, state),
+    )
+
+
+def mamba1_scan(
+    x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, A_log: torch.Tensor,  # noqa: N803
+    dt_bias: torch.Tensor, D: torch.Tensor, z: torch.Tensor | None, ssm_layer: torch.Tensor,  # noqa: N803
+    batch: ForwardBatch, *, decode: DecodeRows | None,
+) -> torch.Tensor:
+    """`KernelBackend.selective_scan` on the torch reference kernels, for either backend (`scan_sequences`): the
+    sequences of `decode` through `selective_step`, every other one alone through `selective_scan` (a verify row
+    token by token through `selective_states_after`)."""
+    A = -torch.exp(A_log.float())  # noqa: N806
+    dt = mamba2_ref.discretized_dt(dt, dt_bias, (0.0, float("inf")))
+
+    def gate(rows: slice | torch.Tensor) -> torch.Tensor | None:
+        return None if z is None else z[rows]
+
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return scan_sequences(
+        batch, ssm_layer, out, decode,
+        scan=lambda rows, state: mamba1_ref.selective_scan(x[rows], dt[rows], A, B[rows], C[rows], D, gate(rows),
+                                                           state),
+        states_after=lambda rows, state: mamba1_ref.selective_states_after(x[rows], dt[rows], A, B[rows], C[rows], D,
+                                                                           gate(rows), state),
+        step=lambda rows, state: mamba1_ref.selective_step(x[rows], dt[rows], A, B[rows], C[rows], D, gate(rows),
+                                                           state),
+    )
 
 
 def get_backend(device: torch.device | str, *, attention: str | None = None) -> KernelBackend:

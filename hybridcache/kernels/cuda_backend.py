@@ -22,6 +22,8 @@
 | ssd_scan (Mamba2) | the torch step (`mamba2/fla.ssd_decode`) | fla's chunked simple-GLA kernels (`mamba2/fla.py`), |
 |                  | leading decode rows in the torch step; verify rows: the torch reference per sequence           |
 | gated_group_rms_norm | the torch reference (Mamba2's gated norm)                                                  |
+| selective_scan (Mamba1) | the Triton scan (`mamba1/triton.py`): one launch for every sequence, a program per        |
+|                  | (sequence, channel block) walking its tokens; verify rows: the torch reference per sequence    |
 | rotary           | one Triton launch per tensor: partial rotate-half RoPE (`rotary/triton.py`)                    |
 | norm_rotary      | one Triton launch: the attention layer's q_norm, k_norm and RoPE of both (`rotary/triton.py`)  |
 | sigmoid_mul      | one Triton launch: the attention output gate, reading the strided gate in place (`activation/`)|
@@ -52,7 +54,7 @@ from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels import streams
 from hybridcache.kernels.activation import triton as triton_activation
 from hybridcache.kernels.attention.base import AttentionBackend
-from hybridcache.kernels.backend import mamba2_scan
+from hybridcache.kernels.backend import mamba1_scan, mamba2_scan
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
 from hybridcache.kernels.conv.triton_verify import conv_draft_states
 from hybridcache.kernels.gated_delta import triton_gates
@@ -68,6 +70,7 @@ from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
 from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts, shared_fits
 from hybridcache.kernels.gemm.triton_fp8_moe import compile_tiles as compile_fp8_tiles
+from hybridcache.kernels.mamba1 import triton as mamba1_triton
 from hybridcache.kernels.mamba2 import fla as mamba2_fla
 from hybridcache.kernels.mamba2 import reference as mamba2_ref
 from hybridcache.kernels.moe import triton_route
@@ -157,6 +160,7 @@ class CudaBackend:
             weakref.WeakKeyDictionary()
         )
         self._said_scan = False  # the one log line of the first Mamba2 scan
+        self._said_selective_scan = False  # and of the first Mamba1 scan
 
     def check_model(self, shapes: ModelShapes) -> None:
         """UnsupportedModelError naming every reason this backend's kernels (and its attention backend's)
@@ -320,6 +324,26 @@ class CudaBackend:
             x, steps, A, B, C, D, ssm_layer, batch.state_slots, meta.cu_seqlens, batch.context_lens,
             batch.query_lens_cpu, chunk_indices=meta.chunks, fresh=meta.fresh, context_lens_cpu=batch.context_lens_cpu,
         )
+
+    def selective_scan(
+        self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,  # noqa: N803
+        A_log: torch.Tensor, dt_bias: torch.Tensor, D: torch.Tensor, z: torch.Tensor | None,  # noqa: N803
+        ssm_layer: torch.Tensor, batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Every step but verify rows: the Triton scan (`mamba1/triton.py`), decode and prefill rows of every
+        sequence in one launch, lengths, freshness and slots read on the device and rows past cu_seqlens[-1] left
+        unwritten (a decode graph captures it, and a whole-step graph, `prefill_graphs.SequenceGraphs`, a
+        one-sequence step on a bucket of rows). Verify rows (speculative decoding), and CPU tensors (Triton runs on
+        CUDA only): `backend.mamba1_scan`, the torch reference per sequence from the host lengths."""
+        fused = mamba1_triton.runs_on(x)
+        if not self._said_selective_scan:
+            self._said_selective_scan = True
+            _logger.info("Mamba1 layers run the Triton selective scan" if fused else "Mamba1 layers run the torch "
+                         "reference selective scan (the Triton scan runs on CUDA only)")
+        if not fused or (not _metadata(batch).all_decode and batch.draft_rows is not None):
+            return mamba1_scan(x, dt, B, C, A_log, dt_bias, D, z, ssm_layer, batch, decode=None)
+        return mamba1_triton.selective_scan_varlen(x, dt, B, C, A_log, dt_bias, D, z, ssm_layer, batch.state_slots,
+                                                   batch.cu_seqlens, batch.context_lens)
 
     def fuses_shared_expert(self, experts: Sequence[nn.Module], shared_expert: nn.Module) -> bool:
         """FP8 experts whose block's shared expert has their format and widths (`triton_fp8_moe.shared_fits`,

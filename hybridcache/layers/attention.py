@@ -14,7 +14,8 @@ o_proj's partial sums are all-reduced, then its bias (if any) is added once.
 
 FP8 KV (`kv_dtype` float8_e4m3fn, set by the loader for `kv_cache_dtype="fp8"`): keys and values are divided by
 the layer's `k_scale` / `v_scale` (the checkpoint's, else 1.0), clamped to +-448 and stored as e4m3; the
-attention op reads them back times the scales.
+attention op reads them back times the scales (`kv_for_cache`, which the Mamba2 hybrids' plain attention,
+`models/granite.py::GraniteAttention`, shares).
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.step import StepContext
 from hybridcache.state_spec import AttentionSpec
+
+
+def kv_for_cache(key: torch.Tensor, value: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """key, value [T, Hkv, D] as `layer`'s KV pool stores them: with `layer.kv_dtype` set (FP8 KV: module
+    docstring), divided in fp32 by its `k_scale` / `v_scale` and clamped to the format's largest finite value (the
+    pool's write casts them); else as they are."""
+    if layer.kv_dtype is None:
+        return key, value
+    fp8_max = torch.finfo(layer.kv_dtype).max
+    return ((key.float() / layer.k_scale).clamp(-fp8_max, fp8_max),
+            (value.float() / layer.v_scale).clamp(-fp8_max, fp8_max))
 
 
 class GatedAttention(nn.Module):
@@ -98,10 +110,7 @@ class GatedAttention(nn.Module):
         cos, sin = step.rope
         query, key = step.backend.norm_rotary(query, key, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                               cos, sin)
-        if self.kv_dtype is not None:
-            fp8_max = torch.finfo(self.kv_dtype).max
-            key = (key.float() / self.k_scale).clamp(-fp8_max, fp8_max)
-            value = (value.float() / self.v_scale).clamp(-fp8_max, fp8_max)
+        key, value = kv_for_cache(key, value, self)
         attn = step.core(functools.partial(self._attend, kv_layer), query, key, value)
         attn = step.backend.sigmoid_mul(attn, gate).view(num_tokens, -1)
         if self.tp.size == 1 or self.o_proj.bias is None:

@@ -10,6 +10,11 @@ I = Hm * Pm channels (Hm heads of Pm), G groups and state size N::
         (dt = clamp(softplus(dt + dt_bias), time_step_limit), A = -exp(A_log), y = S C + D x: `kernels/mamba2`)
     out = out_proj(weight * group_rms_norm(y * silu(z)))             the gate before the norm, G norm groups
 
+Falcon-H1's variant (its `FalconH1Mixer`), by constructor arguments: `in_multipliers` scale z | x | B | C | dt after
+in_proj (its muP vector, `ssm_multipliers`); `norm_before_gate` takes the norm first, weight * group_rms_norm(y) *
+silu(z); `rms_norm` False has no norm at all, out = out_proj(y * silu(z)); `out_proj_bias` (its `projectors_bias`)
+differs from in_proj's.
+
 State (`state_spec`): `conv` [num_slots, C, K-1] in the model dtype and `ssm` [num_slots, Hm, Pm, N] in the state
 dtype (transformers' and mamba_ssm's layout of both); sequence i uses row batch.state_slots[i]. A sequence with
 context_len == query_len starts from zero state whatever the row holds; every sequence's final states are written
@@ -26,6 +31,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from hybridcache.layers.linear import module_linear
@@ -35,24 +41,28 @@ from hybridcache.state_spec import RecurrentSpec, StateTensorSpec
 
 
 class GroupGatedRMSNorm(nn.Module):
-    """Mamba2's gated RMSNorm: x, gate [T, I] -> weight * group_rms_norm(x * silu(gate)) [T, I] in gate's dtype
-    (`backend.gated_group_rms_norm`), the norm over each group of `group_size` channels; `weight` initialised to 1."""
+    """Mamba2's gated RMSNorm: x, gate [T, I] -> weight * group_rms_norm(x * silu(gate)) [T, I] in gate's dtype, or
+    with `norm_before_gate` weight * group_rms_norm(x) * silu(gate) (`backend.gated_group_rms_norm`), the norm over
+    each group of `group_size` channels; `weight` initialised to 1."""
 
     centred_on_one: ClassVar[bool] = True  # its weight scales as it is (random weights draw it around 1)
 
-    def __init__(self, dim: int, group_size: int, eps: float) -> None:
+    def __init__(self, dim: int, group_size: int, eps: float, norm_before_gate: bool = False) -> None:
         super().__init__()
         self.group_size = group_size
         self.eps = eps
+        self.norm_before_gate = norm_before_gate
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor, step: StepContext) -> torch.Tensor:
-        return step.backend.gated_group_rms_norm(x, gate, self.weight, self.eps, self.group_size)
+        return step.backend.gated_group_rms_norm(x, gate, self.weight, self.eps, self.group_size,
+                                                 norm_before_gate=self.norm_before_gate)
 
 
 class Mamba2Mixer(nn.Module):
-    """Parameter names equal the checkpoints' (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm.weight`,
-    `out_proj`). Tensor parallelism is not supported yet (`tp.size` 1 only)."""
+    """Parameter names equal the checkpoints' (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm.weight` unless
+    `rms_norm` is False, `out_proj`). Tensor parallelism is not supported yet (`tp.size` 1 only). `in_multipliers`:
+    the five scales of z, x, B, C, dt after in_proj (None: none); `out_proj_bias` None: `proj_bias`."""
 
     def __init__(
         self,
@@ -67,6 +77,10 @@ class Mamba2Mixer(nn.Module):
         proj_bias: bool,
         eps: float,
         time_step_limit: tuple[float, float] = (0.0, float("inf")),
+        rms_norm: bool = True,
+        norm_before_gate: bool = False,
+        out_proj_bias: bool | None = None,
+        in_multipliers: tuple[float, float, float, float, float] | None = None,
         tp: TensorParallel = UNSHARDED,
     ) -> None:
         super().__init__()
@@ -82,14 +96,19 @@ class Mamba2Mixer(nn.Module):
         self.intermediate_size = num_heads * head_dim
         self.conv_dim = self.intermediate_size + 2 * num_groups * state_size
         self.time_step_limit = time_step_limit
+        if in_multipliers is not None and len(in_multipliers) != 5:
+            raise ValueError(f"Mamba2 in_multipliers {in_multipliers} must be five: z, x, B, C, dt")
+        self.in_multipliers = None if in_multipliers is None or set(in_multipliers) == {1.0} else in_multipliers
         self.in_proj = nn.Linear(hidden_size, self.intermediate_size + self.conv_dim + num_heads, bias=proj_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim, bias=conv_bias,
                                 padding=conv_kernel_size - 1)
         self.dt_bias = nn.Parameter(torch.ones(num_heads))
         self.A_log = nn.Parameter(torch.zeros(num_heads))
         self.D = nn.Parameter(torch.ones(num_heads))
-        self.norm = GroupGatedRMSNorm(self.intermediate_size, self.intermediate_size // num_groups, eps)
-        self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=proj_bias)
+        self.norm = GroupGatedRMSNorm(self.intermediate_size, self.intermediate_size // num_groups, eps,
+                                      norm_before_gate) if rms_norm else None
+        self.out_proj = nn.Linear(self.intermediate_size, hidden_size,
+                                  bias=proj_bias if out_proj_bias is None else out_proj_bias)
 
     @property
     def input_projection(self) -> nn.Linear:
@@ -109,11 +128,25 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, step: StepContext, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; state["conv"] [num_slots, C, K-1] and state["ssm"]
         [num_slots, Hm, Pm, N] of this layer are updated in place."""
-        z, xbc, dt = module_linear(self.in_proj, hidden).split(
-            [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        projected = module_linear(self.in_proj, hidden)
+        if self.in_multipliers is not None:
+            self._scale_(projected)
+        z, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         y = step.core(functools.partial(self._recur, state), xbc, dt)  # [T, Hm, Pm] fp32
-        y = self.norm(y.view(hidden.shape[0], self.intermediate_size), z, step)
+        y = y.view(hidden.shape[0], self.intermediate_size)
+        y = (y * F.silu(z)).to(z.dtype) if self.norm is None else self.norm(y, z, step)
         return module_linear(self.out_proj, y)
+
+    def _scale_(self, projected: torch.Tensor) -> None:
+        """projected [T, I + C + Hm] (in_proj's own output) scaled in place, column range by column range: z, x, B, C
+        and dt times their `in_multipliers` (Falcon-H1's muP vector: the same products, a scalar per range)."""
+        group_dim = self.num_groups * self.state_size
+        widths = (self.intermediate_size, self.intermediate_size, group_dim, group_dim, self.num_heads)
+        start = 0
+        for width, multiplier in zip(widths, self.in_multipliers, strict=True):
+            if multiplier != 1.0:
+                projected[:, start : start + width].mul_(multiplier)
+            start += width
 
     def _recur(self, state: Mapping[str, torch.Tensor], step: StepContext, xbc: torch.Tensor,
                dt: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,9 @@
   post_attention_layernorm, the final norm, and the attention q_norm / k_norm.
 - `GatedRMSNorm`: y = (w * x / rms(x)) * silu(gate), `weight` initialised to 1 (NOT zero-centred). Used
   as `linear_attn.norm` on each DeltaNet value head, gated by z (OLMo Hybrid's `linear_attn.o_norm`, gated by g).
-- `RMSNorm`: y = w * x / rms(x), `weight` initialised to 1, torch ops on every device: the norms of Granite-4.0-H,
-  Nemotron-H and OLMo Hybrid (their layer norms, final norm and OLMo's attention q_norm / k_norm).
+- `RMSNorm`: y = w * x / rms(x), `weight` initialised to 1, in torch ops on every device: the norms of Granite-4.0-H,
+  Nemotron-H, Jamba (also the dt / B / C norms inside its Mamba1 layers), LFM2 and OLMo Hybrid (their layer norms,
+  final norm, and LFM2's and OLMo's attention q_norm / k_norm).
 
 `fp8=True` (where `layers.linear.wants_fp8_rows` says the FP8 linear after the norm takes it): the output comes as
 `layers.linear.Fp8Rows`, the norm's output with its FP8 quantisation for that linear, written by the norm's own
@@ -68,8 +69,8 @@ class GatedRMSNorm(nn.Module):
 
 class RMSNorm(nn.Module):
     """x [..., dim] -> weight * x / rms(x) [..., dim] in x's dtype, normalised in fp32 (`weight` starts at 1). Where it
-    rounds is transformers' of each model: Granite's rounds x / rms(x) to x's dtype, then multiplies by the weight;
-    Nemotron-H's and OLMo Hybrid's (`weight_in_fp32`) multiply in fp32, then round."""
+    rounds is transformers' of each model: Granite's, Jamba's and LFM2's round x / rms(x) to x's dtype, then multiply by
+    the weight; Nemotron-H's and OLMo Hybrid's (`weight_in_fp32`) multiply in fp32, then round."""
 
     centred_on_one: ClassVar[bool] = True  # its weight scales as it is (random weights draw it around 1)
 
@@ -80,6 +81,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, backend: KernelBackend | None = None) -> torch.Tensor:
+        """(`backend` unread: torch ops on every device.)"""
         wide = x.float()
         normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight_in_fp32:
@@ -89,6 +91,6 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, residual: torch.Tensor, backend: KernelBackend | None = None,
             fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, this norm of it)."""
-        del fp8  # (FP8 is refused for the models with these norms)
+        del fp8  # (not asked here: an FP8 linear after this norm quantises its own input)
         total = x + residual
         return total, self.forward(total)

@@ -27,6 +27,9 @@ _LAZY = {
     "OlmoHybridForCausalLM": "hybridcache.models.olmo_hybrid",
     "Lfm2ForCausalLM": "hybridcache.models.lfm2",
     "Lfm2MoeForCausalLM": "hybridcache.models.lfm2",
+    "BambaForCausalLM": "hybridcache.models.bamba",
+    "FalconH1ForCausalLM": "hybridcache.models.falcon_h1",
+    "JambaForCausalLM": "hybridcache.models.jamba",
     "SUPPORTED_ARCHITECTURES": "hybridcache.models.registry",
     "get_model_class": "hybridcache.models.registry",
 }

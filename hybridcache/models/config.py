@@ -5,8 +5,8 @@ This module imports no torch: the cache simulator sizes caches from it.
 Accepted layouts of config.json:
 
 - a text model (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`,
-  `GraniteMoeHybridForCausalLM`, `NemotronHForCausalLM`, `OlmoHybridForCausalLM`, `Lfm2ForCausalLM`,
-  `Lfm2MoeForCausalLM`): every field at the top level;
+  `GraniteMoeHybridForCausalLM`, `NemotronHForCausalLM`, `BambaForCausalLM`, `FalconH1ForCausalLM`,
+  `JambaForCausalLM`, `OlmoHybridForCausalLM`, `Lfm2ForCausalLM`, `Lfm2MoeForCausalLM`): every field at the top level;
 - a multimodal wrapper (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`): the
   language model's fields live in `text_config`; `architectures`, `tie_word_embeddings` and `eos_token_id`
   are read from the top level when present there, otherwise from `text_config`;
@@ -22,7 +22,8 @@ Accepted layouts of config.json:
 
 A field config.json leaves out (or sets to null) takes the default of transformers' configuration class of the
 model type (`Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`, `Qwen3NextConfig`, `GraniteMoeHybridConfig`,
-`NemotronHConfig`, `OlmoHybridConfig`, `Lfm2Config`, `Lfm2MoeConfig`: `_DEFAULTS`),
+`NemotronHConfig`, `BambaConfig`, `FalconH1Config`, `JambaConfig`, `OlmoHybridConfig`, `Lfm2Config`,
+`Lfm2MoeConfig`: `_DEFAULTS`),
 except the fields that size the model, which must be present: `vocab_size`, `hidden_size`, `num_hidden_layers`,
 `num_attention_heads`.
 
@@ -51,6 +52,27 @@ plus `e_score_correction_bias` within the best `topk_group` of `n_group` groups 
 `moe_latent_size` projections when it is set. Refused: `mlp_bias` or `attention_bias` true, another activation, a
 grouping the router cannot run (n_group not dividing the experts, fewer than 2 experts a group, topk_group out of
 [1, n_group], more picks than the kept groups hold).
+Bamba (`bamba`): Granite's `mamba_*` fields; attention layers at `attn_layer_indices` (the others Mamba2); RoPE on
+head_dim x partial_rotary_factor channels, the factor 0.5 unless `rope_parameters` names one (transformers' BambaConfig
+sets 0.5 over a top-level value), `attn_rotary_emb` where written equal to that count; a dense MLP of
+`intermediate_size`. Refused: `mlp_bias` true, `attn_layer_indices` naming no layer, a `layers_block_type` that
+disagrees with them.
+Falcon-H1 (`falcon_h1`): every layer `LayerKind.HYBRID` (attention and Mamba2 side by side); Mamba2 channels
+`mamba_d_ssm` (null: mamba_expand * hidden_size) in `mamba_n_heads` heads, Granite's other `mamba_*` fields plus
+`mamba_rms_norm`, `mamba_norm_before_gate`, `projectors_bias` (out_proj's bias) and `ssm_multipliers` (five: z, x,
+B, C, dt); the muP scalars `embedding_multiplier`, `lm_head_multiplier`, `key_multiplier`, `attention_in_multiplier`,
+`attention_out_multiplier`, `ssm_in_multiplier`, `ssm_out_multiplier`, `mlp_multipliers` (gate, down) into
+`multipliers`; RoPE on the whole head. Refused: `mamba_use_mlp` false, `attn_layer_indices` set, a layer type other
+than "hybrid", `partial_rotary_factor` other than 1, `mlp_bias` true.
+Jamba (`jamba`): Mamba1 layers (`LayerKind.MAMBA1`, the `Mamba1Config` group: `mamba_expand` * hidden_size channels,
+`mamba_d_state`, `mamba_dt_rank` ("auto": ceil(hidden_size / 16)), `mamba_d_conv`, `mamba_conv_bias`,
+`mamba_proj_bias`) and attention layers without RoPE where i % attn_layer_period == attn_layer_offset (a written
+`layers_block_type`, which transformers ignores, must agree); a SiLU-gated MLP of `intermediate_size` after every
+mixer, or, where i % expert_layer_period == expert_layer_offset and `num_experts` > 1, `num_experts` routed experts of
+that width (top `num_experts_per_tok` of the softmax, not renormalised); `head_dim` read where written, else
+hidden_size / num_attention_heads. Refused: an offset not below its period, `attention_bias` true,
+`mamba_inner_layernorms` false, another activation; `use_mamba_kernels` and `sliding_window` (transformers' Jamba reads
+neither) are not read.
 OLMo Hybrid (`olmo_hybrid`): gated DeltaNet ("linear_attention") and attention ("full_attention") layers, at least
 one of each (as transformers checks; left out, every fourth layer attends); the DeltaNet group's fields as Qwen's
 (`linear_*`; left out: as many key and value heads as attention heads, key head dim 0.75 * hidden_size / key heads,
@@ -102,8 +124,15 @@ class LayerKind(str, Enum):
     MAMBA2 = "mamba"  # Mamba2 (Granite-4.0-H's spelling; transformers 5 writes "linear_attention" there)
     MLP = "mlp"  # a feed-forward block as a layer of its own, no token mixer, no state (Nemotron-H's "-" and, with
     # `is_moe_layer` true, its MoE layers "E")
+    HYBRID = "hybrid"  # attention and Mamba2 side by side on the same input, then an MLP (Falcon-H1's every layer):
+    # the layer holds paged KV and a Mamba2 state, so it is both an attention layer and a Mamba2 layer
+    MAMBA1 = "mamba1"  # Mamba1 with Jamba's inner norms (Jamba writes "mamba", which for Granite means Mamba2)
     SHORT_CONV = "conv"  # LFM2's gated short convolution: a conv state only
 
+
+# The layer kinds with a fixed-size state (Falcon-H1's hybrid layers hold one beside their KV)
+RECURRENT_KINDS = frozenset({LayerKind.LINEAR_ATTENTION, LayerKind.MAMBA2, LayerKind.HYBRID, LayerKind.MAMBA1,
+                             LayerKind.SHORT_CONV})
 
 # The layer kinds of each text model type, by their config.json spellings.
 _QWEN_KINDS = {"linear_attention": LayerKind.LINEAR_ATTENTION, "full_attention": LayerKind.FULL_ATTENTION}
@@ -112,6 +141,8 @@ _MAMBA_KINDS = {"mamba": LayerKind.MAMBA2, "linear_attention": LayerKind.MAMBA2,
 # Nemotron-H: transformers 5's names, the older ones it remaps, and `hybrid_override_pattern`'s letters
 _NEMOTRON_KINDS = {**_MAMBA_KINDS, "mlp": LayerKind.MLP, "moe": LayerKind.MLP}  # (MoE: `is_moe_layer` says it)
 _NEMOTRON_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+_FALCON_KINDS = {"hybrid": LayerKind.HYBRID}  # (transformers' FalconH1Config.layers_block_type: "hybrid" every layer)
+_JAMBA_KINDS = {"mamba": LayerKind.MAMBA1, "attention": LayerKind.FULL_ATTENTION}
 _LFM2_KINDS = {"conv": LayerKind.SHORT_CONV, "full_attention": LayerKind.FULL_ATTENTION}
 
 
@@ -124,6 +155,9 @@ _TEXT_MODEL_TYPES = {
     "qwen3_next": "qwen3_next",
     "granitemoehybrid": "granitemoehybrid",
     "nemotron_h": "nemotron_h",
+    "bamba": "bamba",
+    "falcon_h1": "falcon_h1",
+    "jamba": "jamba",
     "olmo_hybrid": "olmo_hybrid",
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2_moe",
@@ -159,6 +193,31 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "mamba_ssm_cache_dtype": "float32", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 7688,
         "moe_shared_expert_intermediate_size": 7688, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+    },
+    # (`BambaConfig`: partial_rotary_factor 0.5 whatever the top level says, as transformers sets it; head_dim:
+    # hidden_size / num_attention_heads, set when parsed)
+    "bamba": {
+        "num_key_value_heads": 8, "max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5, "intermediate_size": 14336, "mamba_n_heads": 128, "mamba_n_groups": 1,
+        "mamba_d_state": 256, "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
+    },
+    # (`FalconH1Config`; head_dim: hidden_size / num_attention_heads, set when parsed; mamba_d_ssm written null:
+    # mamba_expand * hidden_size)
+    "falcon_h1": {
+        "num_key_value_heads": 8, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "partial_rotary_factor": 1.0, "intermediate_size": 14336, "mamba_d_ssm": 1024, "mamba_n_heads": 128,
+        "mamba_d_head": "auto", "mamba_n_groups": 1, "mamba_d_state": 256, "mamba_d_conv": 4, "mamba_expand": 2,
+        "mamba_chunk_size": 256, "embedding_multiplier": 1.0, "lm_head_multiplier": 1.0, "key_multiplier": 1.0,
+        "attention_in_multiplier": 1.0, "attention_out_multiplier": 1.0, "ssm_in_multiplier": 1.0,
+        "ssm_out_multiplier": 1.0, "mlp_multipliers": [1.0, 1.0], "ssm_multipliers": [1.0, 1.0, 1.0, 1.0, 1.0],
+    },
+    # (`JambaConfig`; head_dim: hidden_size / num_attention_heads, set when parsed; rope_theta and
+    # partial_rotary_factor unused: its attention has no rotary embedding)
+    "jamba": {
+        "num_key_value_heads": 8, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "intermediate_size": 14336,
+        "num_experts": 16, "num_experts_per_tok": 2, "expert_layer_period": 2, "expert_layer_offset": 1,
+        "attn_layer_period": 8, "attn_layer_offset": 4, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+        "mamba_dt_rank": "auto", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
     },
     # (`OlmoHybridConfig`; the head counts and dims it derives from other fields: `_olmo_defaults`)
     "olmo_hybrid": {
@@ -283,6 +342,13 @@ class Mamba2Config:
     proj_bias: bool
     chunk_size: int
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    # Falcon-H1's variations (the others keep these defaults): no gated norm (`rms_norm` False: y * silu(z)), the norm
+    # before the gate, out_proj's bias apart from in_proj's (None: `proj_bias`), and the scales of z, x, B, C, dt after
+    # in_proj (its muP vector, `ssm_multipliers`)
+    rms_norm: bool = True
+    norm_before_gate: bool = False
+    out_proj_bias: bool | None = None
+    in_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
 
     @property
     def intermediate_size(self) -> int:
@@ -292,6 +358,30 @@ class Mamba2Config:
     def conv_dim(self) -> int:
         """Channels of the short convolution: x | B | C."""
         return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+    @property
+    def conv_width(self) -> int:
+        """Past pre-convolution inputs kept per channel: kernel size - 1."""
+        return self.conv_kernel_size - 1
+
+
+@dataclass(frozen=True)
+class Mamba1Config:
+    """Mamba1 (Jamba's): `intermediate_size` channels (mamba_expand * hidden_size), each with `state_size` state
+    entries of their own decay; dt of rank `dt_rank` before dt_proj; a depthwise causal convolution of
+    `conv_kernel_size` over the channels; `conv_bias` on it, `proj_bias` on in_proj and out_proj."""
+
+    intermediate_size: int
+    state_size: int
+    dt_rank: int
+    conv_kernel_size: int
+    conv_bias: bool
+    proj_bias: bool
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: x."""
+        return self.intermediate_size
 
     @property
     def conv_width(self) -> int:
@@ -316,12 +406,23 @@ class ShortConvConfig:
 
 @dataclass(frozen=True)
 class Multipliers:
-    """Granite's scalings: the embedding times `embedding`, each block's output times `residual` before its residual
-    add, the logits divided by `logits_scaling` (all 1 for the other models)."""
+    """The muP scalings, all 1 but where config.json sets them. Granite's: the embedding times `embedding`, each
+    block's output times `residual` before its residual add, the logits divided by `logits_scaling`. Falcon-H1's:
+    the embedding times `embedding`, the logits times `logits` (its lm_head_multiplier), the keys times `key` (before
+    RoPE), the attention's input and output times `attention_in` / `attention_out`, the Mamba2 mixer's times `ssm_in`
+    / `ssm_out`, the MLP's gate projection times `mlp_gate` (before its SiLU) and its output times `mlp_down`."""
 
     embedding: float = 1.0
     residual: float = 1.0
     logits_scaling: float = 1.0
+    logits: float = 1.0
+    key: float = 1.0
+    attention_in: float = 1.0
+    attention_out: float = 1.0
+    ssm_in: float = 1.0
+    ssm_out: float = 1.0
+    mlp_gate: float = 1.0
+    mlp_down: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -361,10 +462,17 @@ class FeedForwardConfig:
     grouped_routing: GroupedRouting | None = None
     moe_latent_size: int | None = None
 
+    @classmethod
+    def dense(cls, intermediate_size: int, in_own_layers: bool = False) -> FeedForwardConfig:
+        """A dense SiLU-gated MLP of `intermediate_size` (no experts) after every mixer, or in layers of its own."""
+        return cls(intermediate_size=intermediate_size, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
+                   shared_expert_intermediate_size=0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(),
+                   in_own_layers=in_own_layers)
+
     def is_moe_layer(self, layer_id: int) -> bool:
         """True where layer `layer_id` has a sparse MoE block (the transformers rule; where the feed-forward blocks
-        are layers of their own, `in_own_layers`, the layers of `moe_layer_ids`)."""
-        if self.in_own_layers:
+        are layers of their own, `in_own_layers`, or where `moe_layer_ids` lists them (Jamba), those layers)."""
+        if self.in_own_layers or self.moe_layer_ids:
             return layer_id in self.moe_layer_ids
         return (
             layer_id not in self.mlp_only_layers
@@ -376,12 +484,14 @@ class FeedForwardConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of one hybrid decoder-only model: the model-wide fields, then one group per layer
-    family (`attention`, `gated_delta`, `mamba2`, `short_conv`) and the feed-forward group (`mlp`). A new family is a
-    new group, a new `LayerKind` and a new mixer. `gated_delta` holds transformers' Qwen defaults where the model has
-    no DeltaNet layer (nothing reads it then); `mamba2` and `short_conv` are None where the model has no such layer.
+    family (`attention`, `gated_delta`, `mamba2`, `mamba1`, `short_conv`) and the feed-forward group (`mlp`). A new
+    family is a new group, a new `LayerKind` and a new mixer. `gated_delta` holds transformers' Qwen defaults where the
+    model has no DeltaNet layer (nothing reads it then); `mamba2`, `mamba1` and `short_conv` are None where the model
+    has no such layer.
 
     `model_type` is the text model's type (`qwen3_5_text`, `qwen3_5_moe_text`, `qwen3_next`, `granitemoehybrid`,
-    `nemotron_h`, `olmo_hybrid`, `lfm2`, `lfm2_moe`) even when config.json describes a multimodal wrapper;
+    `nemotron_h`, `bamba`, `falcon_h1`, `jamba`, `olmo_hybrid`, `lfm2`, `lfm2_moe`) even when config.json describes a
+    multimodal wrapper;
     `architecture` is the config.json entry as written.
     `mamba_ssm_dtype`: the recurrent state dtype config.json names (Qwen3.5 checkpoints say "float32"), None
     when it names none; what `--mamba-ssm-cache-dtype auto` resolves to (see `engine_args.auto_ssm_dtype`).
@@ -405,6 +515,7 @@ class ModelConfig:
     mamba_ssm_dtype: str | None = None
     mamba2: Mamba2Config | None = None
     multipliers: Multipliers = Multipliers()
+    mamba1: Mamba1Config | None = None
     short_conv: ShortConvConfig | None = None
 
     # ---- derived quantities -------------------------------------------------------------------------
@@ -427,17 +538,23 @@ class ModelConfig:
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t is LayerKind.FULL_ATTENTION)
+        """Layers with paged KV (attention layers, and Falcon-H1's hybrid layers)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in (LayerKind.FULL_ATTENTION, LayerKind.HYBRID))
 
     @property
     def mamba2_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t is LayerKind.MAMBA2)
+        """Layers with a Mamba2 mixer (Mamba2 layers, and Falcon-H1's hybrid layers)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in (LayerKind.MAMBA2, LayerKind.HYBRID))
+
+    @property
+    def mamba1_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t is LayerKind.MAMBA1)
 
     @property
     def recurrent_layer_ids(self) -> tuple[int, ...]:
-        """Layers with a fixed-size state (gated DeltaNet, Mamba2, LFM2's short convolution)."""
-        recurrent = (LayerKind.LINEAR_ATTENTION, LayerKind.MAMBA2, LayerKind.SHORT_CONV)
-        return tuple(i for i, t in enumerate(self.layer_types) if t in recurrent)
+        """Layers with a fixed-size state (gated DeltaNet, Mamba2, Falcon-H1's hybrid layers, Mamba1, LFM2's short
+        convolution)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in RECURRENT_KINDS)
 
     def has_feed_forward(self, layer_id: int) -> bool:
         """Whether layer `layer_id` runs a feed-forward block: every layer, or (`mlp.in_own_layers`) those of
@@ -483,18 +600,16 @@ class ModelConfig:
         model_type = _TEXT_MODEL_TYPES.get(written or "")
         if model_type is None:
             raise ValueError(f"unsupported {field} {written!r} in config.json; supported: {sorted(_TEXT_MODEL_TYPES)}")
-        granite, nemotron = model_type == "granitemoehybrid", model_type == "nemotron_h"
+        granite, nemotron, jamba = model_type == "granitemoehybrid", model_type == "nemotron_h", model_type == "jamba"
+        bamba, falcon = model_type == "bamba", model_type == "falcon_h1"
         olmo, lfm2, lfm2_moe = model_type == "olmo_hybrid", model_type in ("lfm2", "lfm2_moe"), model_type == "lfm2_moe"
         if nemotron:
             text = _nemotron_section(text)
         if lfm2:
             text = _lfm2_section(text, moe=lfm2_moe)
-        if granite:
-            defaults = _granite_defaults(text)
-        else:
-            defaults = _olmo_defaults(text) if olmo else _lfm2_defaults(text, model_type) if lfm2 else (
-                _DEFAULTS[model_type])
-        fields = _Fields(text, defaults)
+        if bamba:  # (BambaConfig sets partial_rotary_factor 0.5 over the top-level one; rope_parameters' wins)
+            text = {**text, "partial_rotary_factor": None}
+        fields = _Fields(text, _derived_defaults(model_type, text))
 
         def pick(key: str, default: Any = None) -> Any:
             """A wrapper-level setting wins over the text config's (they are the same in practice)."""
@@ -502,9 +617,17 @@ class ModelConfig:
                 return raw[key]
             return text.get(key, default)
 
-        layer_types = _nemotron_layer_types(text) if nemotron else text.get("layer_types")
+        moe_layer_ids: tuple[int, ...] = ()
+        if nemotron:
+            layer_types = _nemotron_layer_types(text)
+        elif jamba:
+            layer_types, moe_layer_ids = _jamba_layout(fields)
+        else:
+            layer_types = text.get("layer_types")
         num_layers = len(layer_types) if nemotron and text.get("num_hidden_layers") is None else (
             fields.integer("num_hidden_layers"))
+        if bamba or falcon:
+            layer_types = _bamba_layer_types(text, num_layers) if bamba else _falcon_layer_types(text, num_layers)
         if layer_types is None and granite:  # the older key; neither: every layer Mamba2 (as transformers)
             layer_types = text.get("layers_block_type") or ["mamba"] * num_layers
         if layer_types is None and olmo:
@@ -517,11 +640,13 @@ class ModelConfig:
             ]
         if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
             raise ValueError(f"config.json layer_types {layer_types!r} must be a list of layer type names")
-        kinds = _NEMOTRON_KINDS if nemotron else _MAMBA_KINDS if granite else _LFM2_KINDS if lfm2 else _QWEN_KINDS
+        kinds = (_NEMOTRON_KINDS if nemotron else _MAMBA_KINDS if granite or bamba else _FALCON_KINDS if falcon
+                 else _JAMBA_KINDS if jamba else _LFM2_KINDS if lfm2 else _QWEN_KINDS)
         if len(layer_types) != num_layers or set(layer_types) - set(kinds):
             raise ValueError(f"layer_types {tuple(layer_types)} do not describe {num_layers} supported layers "
                              f"(layer types of {written!r}: {sorted(kinds)})")
-        moe_layer_ids = tuple(i for i, t in enumerate(layer_types) if t == "moe")  # (Nemotron-H's)
+        if nemotron:
+            moe_layer_ids = tuple(i for i, t in enumerate(layer_types) if t == "moe")
         layer_types = tuple(kinds[t] for t in layer_types)
         if olmo and len(set(layer_types)) < 2:  # (transformers' OlmoHybridConfig.validate_architecture)
             raise ValueError(f"config.json layer_types {[str(t) for t in layer_types]}: OLMo Hybrid needs at least "
@@ -536,20 +661,31 @@ class ModelConfig:
         elif olmo or lfm2:
             attention = _whole_head_rope_attention_config(fields, "OLMo Hybrid" if olmo else "LFM2")
         else:
-            attention = _attention_config(fields, use_rope=not nemotron)
-        if (nemotron or lfm2) and attention.bias:
-            family = "Nemotron-H" if nemotron else "LFM2"
-            raise ValueError(f"config.json attention_bias true is not supported for {family} (transformers' attention "
-                             "has no biases there)")
+            attention = _attention_config(fields, use_rope=not (nemotron or jamba))
+        if (nemotron or jamba or lfm2) and attention.bias:
+            family = "LFM2" if lfm2 else architectures[0]
+            raise ValueError(f"config.json attention_bias true is not supported for {family} (transformers' "
+                             "attention of this model has no biases)")
+        if bamba:
+            _check_bamba_rotary(text, attention)
+        if falcon:
+            _check_falcon_h1(fields, attention)
+        mamba1 = None
         if nemotron:
             mlp, mamba2 = _nemotron_feed_forward_config(fields, moe_layer_ids), _nemotron_mamba2_config(fields)
         elif granite:
             mlp, mamba2 = _granite_feed_forward_config(fields), _mamba2_config(fields)
+        elif bamba:
+            mlp, mamba2 = _dense_feed_forward_config(fields, "Bamba"), _mamba2_config(fields)
+        elif falcon:
+            mlp, mamba2 = _dense_feed_forward_config(fields, "Falcon-H1"), _falcon_mamba2_config(fields)
+        elif jamba:
+            mlp, mamba2, mamba1 = _jamba_feed_forward_config(fields, moe_layer_ids), None, _mamba1_config(fields)
         elif lfm2_moe:
             mlp, mamba2 = _lfm2_moe_feed_forward_config(fields), None
         elif lfm2:
             mlp, mamba2 = _feed_forward_config(_Fields({**text, "intermediate_size": _lfm2_mlp_width(fields)},
-                                                       defaults), model_type), None
+                                                       fields.defaults), model_type), None
         else:
             mlp, mamba2 = _feed_forward_config(fields, model_type), None
         ssm_dtype = fields.value("mamba_ssm_cache_dtype") if nemotron else pick("mamba_ssm_dtype")
@@ -569,12 +705,14 @@ class ModelConfig:
             rms_norm_eps=fields.number("layer_norm_epsilon" if nemotron else "rms_norm_eps"),
             hidden_act=hidden_act,
             attention=attention,
-            gated_delta=_gated_delta_config(_Fields({}, _COMMON_DEFAULTS) if granite or nemotron or lfm2 else fields,
+            gated_delta=_gated_delta_config(fields if mamba2 is None and mamba1 is None and not lfm2
+                                            else _Fields({}, _COMMON_DEFAULTS),
                                             allow_neg_eigval=olmo and fields.boolean("linear_allow_neg_eigval", True)),
             mlp=mlp,
             mamba_ssm_dtype=None if ssm_dtype is None else str(ssm_dtype),
             mamba2=mamba2,
-            multipliers=_multipliers(fields) if granite else Multipliers(),
+            multipliers=_multipliers(fields) if granite else _falcon_multipliers(fields) if falcon else Multipliers(),
+            mamba1=mamba1,
             short_conv=ShortConvConfig(conv_kernel_size=fields.integer("conv_L_cache", minimum=2),  # (1: no state)
                                        bias=fields.boolean("conv_bias", default=False)) if lfm2 else None,
         )
@@ -858,16 +996,6 @@ def _lfm2_section(text: Mapping[str, Any], moe: bool) -> dict[str, Any]:
     return section
 
 
-def _lfm2_defaults(text: Mapping[str, Any], model_type: str) -> dict[str, Any]:
-    """`Lfm2Config`'s or `Lfm2MoeConfig`'s defaults, with head_dim = hidden_size / num_attention_heads (its
-    attention's)."""
-    defaults = dict(_DEFAULTS[model_type])
-    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
-    if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
-        defaults.update(head_dim=hidden // heads)
-    return defaults
-
-
 def _lfm2_moe_feed_forward_config(fields: _Fields) -> FeedForwardConfig:
     """LFM2-MoE's MLPs: dense (`intermediate_size`) in the first `num_dense_layers` layers, MoE blocks after them
     (`GroupedRouting` of one group: sigmoid scores + expert_bias pick, renormalised with + 1e-6)."""
@@ -920,14 +1048,116 @@ def _feed_forward_config(fields: _Fields, model_type: str) -> FeedForwardConfig:
     )
 
 
-def _granite_defaults(text: Mapping[str, Any]) -> dict[str, Any]:
-    """`GraniteMoeHybridConfig`'s defaults, with those it derives from other fields: head_dim = hidden_size /
-    num_attention_heads (its attention's), num_key_value_heads = num_attention_heads."""
-    defaults = dict(_DEFAULTS["granitemoehybrid"])
+def _derived_defaults(model_type: str, text: Mapping[str, Any]) -> dict[str, Any]:
+    """The defaults of `model_type` (`_DEFAULTS`), with those Granite's, Bamba's, Falcon-H1's, Jamba's, LFM2's and
+    LFM2-MoE's configurations derive from other fields: head_dim = hidden_size / num_attention_heads (their
+    attention's, where config.json writes none); num_key_value_heads = num_attention_heads (Granite's default; Bamba's
+    and Falcon-H1's when written null, their default being 8; Jamba's JambaConfig refuses a null). OLMo Hybrid's:
+    `_olmo_defaults`."""
+    if model_type == "olmo_hybrid":
+        return _olmo_defaults(text)
+    defaults = dict(_DEFAULTS[model_type])
     heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
-    if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
-        defaults.update(head_dim=hidden // heads, num_key_value_heads=heads)
+    if model_type not in ("granitemoehybrid", "bamba", "falcon_h1", "jamba", "lfm2", "lfm2_moe") or not (
+            isinstance(heads, int) and isinstance(hidden, int) and heads > 0):
+        return defaults
+    defaults["head_dim"] = hidden // heads
+    if model_type == "granitemoehybrid" or (model_type in ("bamba", "falcon_h1") and "num_key_value_heads" in text
+                                            and text["num_key_value_heads"] is None):
+        defaults["num_key_value_heads"] = heads
     return defaults
+
+
+def _dense_feed_forward_config(fields: _Fields, family: str) -> FeedForwardConfig:
+    """A dense SiLU-gated MLP of `intermediate_size` after every mixer (Bamba's `feed_forward`), without biases."""
+    if fields.boolean("mlp_bias", default=False):
+        raise ValueError(f"config.json mlp_bias true is not supported for {family} (its checkpoints have none)")
+    return FeedForwardConfig.dense(fields.integer("intermediate_size"))
+
+
+def _bamba_layer_types(text: Mapping[str, Any], num_layers: int) -> list[str]:
+    """Bamba's layer kinds: "attention" at the `attn_layer_indices`, "mamba" elsewhere (none: every layer Mamba2, as
+    transformers' `BambaConfig.layers_block_type`). A written `layers_block_type` / `layer_types` must agree."""
+    indices = text.get("attn_layer_indices") or []
+    if not isinstance(indices, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in indices) or (
+            any(not 0 <= i < num_layers for i in indices)):
+        raise ValueError(f"config.json attn_layer_indices {indices!r} must list layer indices in [0, {num_layers})")
+    kinds = ["attention" if i in indices else "mamba" for i in range(num_layers)]
+    written = text.get("layers_block_type") or text.get("layer_types")
+    if written is not None and (not isinstance(written, list) or [_MAMBA_KINDS.get(t) for t in written] != [
+            _MAMBA_KINDS[t] for t in kinds]):
+        raise ValueError(f"config.json layers_block_type {written!r} disagrees with attn_layer_indices {indices!r}")
+    return kinds
+
+
+def _falcon_layer_types(text: Mapping[str, Any], num_layers: int) -> list[str]:
+    """Falcon-H1's layer kinds: "hybrid" every layer (attention and Mamba2 side by side). `attn_layer_indices` (which
+    transformers' FalconH1 does not read) must be null, and a written `layers_block_type` / `layer_types` all
+    "hybrid"."""
+    if text.get("attn_layer_indices") is not None:
+        raise ValueError(f"config.json attn_layer_indices {text['attn_layer_indices']!r} is not supported for "
+                         "Falcon-H1: every layer runs attention and Mamba2 side by side (null)")
+    written = text.get("layers_block_type") or text.get("layer_types")
+    if written is not None and written != ["hybrid"] * num_layers:
+        raise ValueError(f"config.json layers_block_type {written!r} is not Falcon-H1's: 'hybrid', every layer")
+    return ["hybrid"] * num_layers
+
+
+def _numbers(fields: _Fields, key: str, count: int) -> tuple[float, ...]:
+    """A config.json list of `count` numbers >= 0 (Falcon-H1's mlp_multipliers, ssm_multipliers)."""
+    value = fields.value(key)
+    if not isinstance(value, list | tuple) or len(value) != count or any(
+            isinstance(v, bool) or not isinstance(v, int | float) or v < 0 for v in value):
+        raise ValueError(f"config.json {key} {value!r} must be a list of {count} numbers >= 0")
+    return tuple(float(v) for v in value)
+
+
+def _falcon_mamba2_config(fields: _Fields) -> Mamba2Config:
+    """Falcon-H1's Mamba2 fields: `mamba_d_ssm` channels (written null: mamba_expand * hidden_size) in mamba_n_heads
+    heads of mamba_d_head ("auto": their quotient), Granite's other `mamba_*` fields; the gated norm only with
+    `mamba_rms_norm` (default false), before the gate with `mamba_norm_before_gate` (default true); out_proj's bias
+    `projectors_bias`; `ssm_multipliers` the scales of z, x, B, C, dt after in_proj."""
+    text = fields.section
+    if "mamba_d_ssm" in text and text["mamba_d_ssm"] is None:
+        inner = (fields.integer("mamba_expand") * fields.integer("hidden_size"), "mamba_expand * hidden_size")
+    else:
+        inner = (fields.integer("mamba_d_ssm"), "mamba_d_ssm")
+    return replace(_mamba2_config(fields, inner), rms_norm=fields.boolean("mamba_rms_norm", default=False),
+                   norm_before_gate=fields.boolean("mamba_norm_before_gate", default=True),
+                   out_proj_bias=fields.boolean("projectors_bias", default=False),
+                   in_multipliers=_numbers(fields, "ssm_multipliers", 5))
+
+
+def _falcon_multipliers(fields: _Fields) -> Multipliers:
+    gate, down = _numbers(fields, "mlp_multipliers", 2)
+    return Multipliers(embedding=fields.number("embedding_multiplier"), logits=fields.number("lm_head_multiplier"),
+                       key=fields.number("key_multiplier"), attention_in=fields.number("attention_in_multiplier"),
+                       attention_out=fields.number("attention_out_multiplier"),
+                       ssm_in=fields.number("ssm_in_multiplier"), ssm_out=fields.number("ssm_out_multiplier"),
+                       mlp_gate=gate, mlp_down=down)
+
+
+def _check_falcon_h1(fields: _Fields, attention: AttentionConfig) -> None:
+    """What Falcon-H1's config.json may say that transformers' FalconH1 does not run as written: `mamba_use_mlp`
+    false (transformers builds the MLP whatever it says), a `partial_rotary_factor` other than 1 (its default RoPE
+    rotates the whole head whatever it says; a scaled RoPE would read it)."""
+    if not fields.boolean("mamba_use_mlp", default=True):
+        raise ValueError("config.json mamba_use_mlp false is not supported for Falcon-H1 (transformers' FalconH1 runs "
+                         "the MLP in every layer)")
+    if attention.partial_rotary_factor != 1.0:
+        raise ValueError(f"config.json partial_rotary_factor {attention.partial_rotary_factor} is not supported for "
+                         "Falcon-H1 (its RoPE rotates the whole head: 1)")
+
+
+def _check_bamba_rotary(text: Mapping[str, Any], attention: AttentionConfig) -> None:
+    """Bamba's checkpoints name the rotated channels of a head twice: `attn_rotary_emb` (the original training code's
+    count) and head_dim x partial_rotary_factor (transformers', 0.5 unless rope_parameters says otherwise); a config
+    where they differ is ambiguous and refused."""
+    written = text.get("attn_rotary_emb")
+    if written is not None and written != attention.rotary_dim:
+        raise ValueError(f"config.json attn_rotary_emb {written!r} is not head_dim {attention.head_dim} x "
+                         f"partial_rotary_factor {attention.partial_rotary_factor} = {attention.rotary_dim}, the "
+                         "channels transformers' Bamba rotates")
 
 
 def _time_step_limit(value: Any) -> tuple[float, float]:
@@ -953,19 +1183,20 @@ def _time_step_limit(value: Any) -> tuple[float, float]:
     return (low, high)
 
 
-def _mamba2_config(fields: _Fields) -> Mamba2Config:
-    """Granite-4.0-H's `mamba_*` fields (as transformers' `GraniteMoeHybridConfig` checks them)."""
+def _mamba2_config(fields: _Fields, inner: tuple[int, str] | None = None) -> Mamba2Config:
+    """Granite-4.0-H's (and Bamba's) `mamba_*` fields, as transformers' `GraniteMoeHybridConfig` checks them; `inner`:
+    the Mamba2 channels and the fields that say them (None: mamba_expand * hidden_size; Falcon-H1: mamba_d_ssm)."""
     heads = fields.integer("mamba_n_heads")
-    inner = fields.integer("mamba_expand") * fields.integer("hidden_size")
+    inner, named = inner or (fields.integer("mamba_expand") * fields.integer("hidden_size"),
+                             "mamba_expand * hidden_size")
     if fields.value("mamba_d_head") == "auto":
         if inner % heads:
-            raise ValueError(f"config.json mamba_n_heads {heads} must divide mamba_expand * hidden_size {inner}")
+            raise ValueError(f"config.json mamba_n_heads {heads} must divide {named} {inner}")
         head_dim = inner // heads
     else:
         head_dim = fields.integer("mamba_d_head")
     if head_dim * heads != inner:
-        raise ValueError(f"config.json mamba_d_head {head_dim} x mamba_n_heads {heads} must be mamba_expand * "
-                         f"hidden_size {inner}")
+        raise ValueError(f"config.json mamba_d_head {head_dim} x mamba_n_heads {heads} must be {named} {inner}")
     groups = fields.integer("mamba_n_groups")
     if heads % groups:
         raise ValueError(f"config.json mamba_n_groups {groups} must divide mamba_n_heads {heads}")
@@ -988,9 +1219,7 @@ def _granite_feed_forward_config(fields: _Fields) -> FeedForwardConfig:
     num_experts = fields.integer("num_local_experts", minimum=0)
     shared = fields.integer("shared_intermediate_size")
     if not num_experts:
-        return FeedForwardConfig(intermediate_size=shared, num_experts=0, num_experts_per_tok=0,
-                                 moe_intermediate_size=0, shared_expert_intermediate_size=0, norm_topk_prob=True,
-                                 decoder_sparse_step=1, mlp_only_layers=())
+        return FeedForwardConfig.dense(shared)
     return FeedForwardConfig(
         intermediate_size=None,
         num_experts=num_experts,
@@ -1052,9 +1281,7 @@ def _nemotron_feed_forward_config(fields: _Fields, moe_layer_ids: tuple[int, ...
     (`moe_layer_ids`), layers of their own."""
     if fields.boolean("mlp_bias", default=False):
         raise ValueError("config.json mlp_bias true is not supported for Nemotron-H (its checkpoints have none)")
-    dense = FeedForwardConfig(intermediate_size=fields.integer("intermediate_size"), num_experts=0,
-                              num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
-                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(), in_own_layers=True)
+    dense = FeedForwardConfig.dense(fields.integer("intermediate_size"), in_own_layers=True)
     if not moe_layer_ids:
         return dense
     num_experts, top_k = fields.integer("n_routed_experts"), fields.integer("num_experts_per_tok")
@@ -1092,4 +1319,63 @@ def _nemotron_mamba2_config(fields: _Fields) -> Mamba2Config:
         proj_bias=fields.boolean("use_bias", default=False),
         chunk_size=fields.integer("chunk_size"),
         time_step_limit=_time_step_limit(fields.section.get("time_step_limit")),
+    )
+
+
+def _period_layers(fields: _Fields, name: str, num_layers: int) -> tuple[int, ...]:
+    """The layers i with i % {name}_layer_period == {name}_layer_offset (offset < period, as transformers checks)."""
+    period, offset = fields.integer(f"{name}_layer_period"), fields.integer(f"{name}_layer_offset", minimum=0)
+    if offset >= period:
+        raise ValueError(f"config.json {name}_layer_offset {offset} must be smaller than {name}_layer_period {period}")
+    return tuple(i for i in range(num_layers) if i % period == offset)
+
+
+def _jamba_layout(fields: _Fields) -> tuple[list[str], tuple[int, ...]]:
+    """Jamba's layer kinds ("attention" where i % attn_layer_period == attn_layer_offset, else "mamba") and its MoE
+    layers (i % expert_layer_period == expert_layer_offset, when num_experts > 1), as `JambaConfig` derives them. A
+    `layers_block_type` written in config.json (transformers ignores it: its property is derived) must agree."""
+    num_layers = fields.integer("num_hidden_layers")
+    attention = _period_layers(fields, "attn", num_layers)
+    layer_types = ["attention" if i in attention else "mamba" for i in range(num_layers)]
+    written = fields.section.get("layers_block_type")
+    if written is not None and written != layer_types:
+        raise ValueError(f"config.json layers_block_type {written!r} disagrees with attn_layer_period / "
+                         f"attn_layer_offset, which give {layer_types} (transformers reads those)")
+    experts = _period_layers(fields, "expert", num_layers)
+    return layer_types, experts if fields.integer("num_experts") > 1 else ()
+
+
+def _jamba_feed_forward_config(fields: _Fields, moe_layer_ids: tuple[int, ...]) -> FeedForwardConfig:
+    """Jamba's feed-forward block after every mixer: a SiLU-gated MLP of `intermediate_size`, or in `moe_layer_ids`
+    `num_experts` routed experts of that width (top `num_experts_per_tok` of the softmax, not renormalised), no
+    shared expert."""
+    moe = bool(moe_layer_ids)
+    return FeedForwardConfig(
+        intermediate_size=fields.integer("intermediate_size"),
+        num_experts=fields.integer("num_experts") if moe else 0,
+        num_experts_per_tok=fields.integer("num_experts_per_tok") if moe else 0,
+        moe_intermediate_size=fields.integer("intermediate_size") if moe else 0,
+        shared_expert_intermediate_size=0,
+        norm_topk_prob=False,  # (transformers' JambaTopKRouter keeps the softmax's top-k weights as they are)
+        decoder_sparse_step=1,
+        mlp_only_layers=(),
+        moe_layer_ids=moe_layer_ids,
+    )
+
+
+def _mamba1_config(fields: _Fields) -> Mamba1Config:
+    """Jamba's `mamba_*` fields (`mamba_dt_rank` "auto": ceil(hidden_size / 16)); `mamba_inner_layernorms` (older
+    configs) must not be false: transformers' Jamba always has the dt / B / C norms."""
+    if fields.section.get("mamba_inner_layernorms") is False:
+        raise ValueError("config.json mamba_inner_layernorms false is not supported (transformers' Jamba always "
+                         "normalises dt, B and C)")
+    hidden = fields.integer("hidden_size")
+    rank = -(-hidden // 16) if fields.value("mamba_dt_rank") == "auto" else fields.integer("mamba_dt_rank")
+    return Mamba1Config(
+        intermediate_size=fields.integer("mamba_expand") * hidden,
+        state_size=fields.integer("mamba_d_state"),
+        dt_rank=rank,
+        conv_kernel_size=fields.integer("mamba_d_conv", minimum=2),  # (1: no conv state to keep)
+        conv_bias=fields.boolean("mamba_conv_bias", default=True),
+        proj_bias=fields.boolean("mamba_proj_bias", default=False),
     )

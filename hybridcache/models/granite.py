@@ -21,7 +21,10 @@ The attention is plain GQA (no gate, no q/k norm) with softmax scale attention_m
 position_embedding_type is "rope" (Granite-4.0-H: "nope").
 
 The RMSNorms run as torch ops on every device (transformers' rounding: normalised in fp32, rounded to the input
-dtype, then times the weight). Not supported (a ValueError says so): tensor parallelism, FP8 weights or KV, MTP.
+dtype, then times the weight). FP8: compressed-tensors FP8_DYNAMIC checkpoints as llm-compressor's Granite-4.0-H
+recipe writes them (the stacked experts' `input_linear.weight_scale` [E, 2I, 1] split per expert by the loader; the
+router dense), the other FP8 layouts the loader reads, `--quantization fp8`, FP8 KV (`GraniteAttention.kv_dtype`).
+Not supported (a ValueError says so): tensor parallelism, MTP.
 """
 
 from __future__ import annotations
@@ -31,42 +34,49 @@ import functools
 import torch
 from torch import nn
 
+from hybridcache.layers.attention import kv_for_cache
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.linear import module_linear, module_swiglu_linear
 from hybridcache.layers.mlp import MLP
 from hybridcache.layers.norm import RMSNorm
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import LayerKind, ModelConfig
-from hybridcache.models.mamba2_hybrid import Mamba2HybridLM, mamba2_mixer
+from hybridcache.models.mamba2_hybrid import MambaHybridLM, mamba2_mixer
 from hybridcache.state_spec import AttentionSpec, LayerState
 
 
 class GraniteAttention(nn.Module):
-    """Causal GQA over the paged KV pool: q, k, v projections, RoPE on the whole head when `use_rope`, softmax
-    scale `scale`, o_proj."""
+    """Causal GQA over the paged KV pool: q, k, v projections, the keys times `key_multiplier` (Falcon-H1's), RoPE when
+    `use_rope` (on the channels of the step's cos / sin: the whole head for Granite and Falcon-H1, half of it for
+    Bamba), softmax scale `scale`, o_proj. FP8 KV as `layers.attention.GatedAttention`'s (`kv_dtype`, `k_scale`,
+    `v_scale`, set by the loader: `kv_for_cache`)."""
 
     def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                 scale: float, use_rope: bool) -> None:
+                 scale: float, use_rope: bool, key_multiplier: float = 1.0) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.use_rope = use_rope
+        self.key_multiplier = key_multiplier
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.qkv = FusedProjection(self.q_proj, self.k_proj, self.v_proj)
+        self.kv_dtype: torch.dtype | None = None  # None: the model dtype; float8_e4m3fn: FP8 KV
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     @property
     def input_projection(self) -> FusedProjection:
         return self.qkv
 
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> AttentionSpec:
-        """Paged KV in the model dtype (`state_dtype` is for recurrent state)."""
+        """Paged KV in the model dtype, or `kv_dtype` when set (`state_dtype` is for recurrent state)."""
         del state_dtype
-        return AttentionSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
+        return AttentionSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.kv_dtype or dtype)
 
     def forward(self, hidden: torch.Tensor, step: StepContext, kv_layer: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; kv_layer [2, num_pages, kernel_block_size, Hkv, D] (updated in place)."""
@@ -75,8 +85,11 @@ class GraniteAttention(nn.Module):
         query = query.reshape(num_tokens, self.num_heads, self.head_dim)
         key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.key_multiplier != 1.0:
+            key = key * self.key_multiplier
         if self.use_rope:
             query, key = step.backend.rotary(query, key, *step.rope)
+        key, value = kv_for_cache(key, value, self)
         attn = step.core(functools.partial(self._attend, kv_layer), query, key, value)
         return module_linear(self.o_proj, attn.reshape(num_tokens, -1))
 
@@ -89,7 +102,8 @@ class GraniteAttention(nn.Module):
                 value: torch.Tensor) -> torch.Tensor:
         """The layer's core (`StepContext.core`): key and value written to the pool, then the attention."""
         step.backend.write_kv(kv_layer, key, value, step.batch)
-        return step.backend.attention(query, kv_layer, step.batch, scale=self.scale)
+        return step.backend.attention(query, kv_layer, step.batch, scale=self.scale,
+                                      kv_scales=(self.k_scale, self.v_scale))
 
 
 class SharedMLP(nn.Module):
@@ -160,8 +174,9 @@ class GraniteDecoderLayer(nn.Module):
         return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
-class GraniteMoeHybridForCausalLM(Mamba2HybridLM):
+class GraniteMoeHybridForCausalLM(MambaHybridLM):
     supported_model_types = ("granitemoehybrid",)
+    supports_fp8 = True
 
     def _layer(self, layer_id: int) -> nn.Module:
         return GraniteDecoderLayer(*self._mixer(layer_id), self.config, layer_id)

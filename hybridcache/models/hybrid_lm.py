@@ -1,5 +1,7 @@
-"""The decoder skeleton shared by Qwen3.5, Qwen3.5-MoE, Qwen3-Next and (their layers their own: `models/granite.py`,
-`models/nemotron_h.py`) Granite-4.0-H and Nemotron-H.
+"""The decoder skeleton shared by Qwen3.5, Qwen3.5-MoE, Qwen3-Next, Jamba, LFM2, LFM2-MoE and OLMo Hybrid (their own
+norms, names and mixers: `models/jamba.py`, `models/lfm2.py`, `models/olmo_hybrid.py`) and (their layers their own:
+`models/granite.py`, `models/nemotron_h.py`, `models/bamba.py`, `models/falcon_h1.py`) Granite-4.0-H, Nemotron-H,
+Bamba and Falcon-H1.
 
 Module tree (names equal the checkpoint tensor names)::
 
@@ -13,13 +15,17 @@ Module tree (names equal the checkpoint tensor names)::
     lm_head                                 [vocab, hidden] (the embedding itself when tied)
 
 A decoder layer is a token mixer plus an optional feed-forward block; the mixer is registered under its
-checkpoint name. A model whose layers or norms differ (Granite, Nemotron-H) overrides `_layer` and `_norm`: the
-skeleton needs of a layer only `mixer` (whose `state_spec` it reads) and `forward_split`, of a norm
-`forward(x, backend)` and `add(x, residual, backend)`. A layer without state (Nemotron-H's MLP layers) declares a
-`RecurrentSpec` of no tensors: the pools hold an empty mapping for it. `config.multipliers` scales the embedding
-and divides the logits (1 but for Granite).
+checkpoint name. A model whose layers or norms differ (Granite, Nemotron-H, Bamba, Falcon-H1, OLMo Hybrid's post-norm
+attention layers) overrides `_layer` and `_norm`: the skeleton needs of a layer only `mixer` (whose `state_spec` it
+reads) and `forward_split`, of a norm `forward(x, backend)` and `add(x, residual, backend)`. A layer without state
+(Nemotron-H's MLP layers) declares a `RecurrentSpec` of no tensors: the pools hold an empty mapping for it.
+`config.multipliers` scales the embedding and the logits (1 but for Granite and Falcon-H1).
 Device state: each layer's mixer declares a spec (`state_spec`); `state_specs()` lists
-them in layer order, `DevicePools.allocate` makes the pools, and layer i reads `pools.layers[i]`.
+them in layer order, `DevicePools.allocate` makes the pools, and layer i reads `pools.layers[i]`. A model whose
+every decoder layer holds several states (Falcon-H1: paged KV and a Mamba2 state, side by side) sets
+`states_per_layer` k > 1: its layers list their k specs (`layer.state_specs(dtype, state_dtype)`), the pools hold k
+state layers per decoder layer, in that order, and layer i's `forward_split` gets the tuple
+`pools.layers[k i : k (i + 1)]`. The cache and the pools see only state layers (a spec each), never decoder layers.
 
 Tensor parallel (`HybridCausalLM(config, tp)`, see `hybridcache.layers.parallel`): each mixer and feed-forward
 block holds its rank's heads / intermediate channels and all-reduces its output, so the hidden state between
@@ -55,22 +61,35 @@ LAST_HIDDEN = "last_hidden"
 
 class DecoderLayer(nn.Module):
     """hidden + mixer(input_layernorm(hidden)); then, when the layer has a feed-forward block,
-    hidden + mlp(post_attention_layernorm(hidden)). `mixer_name` is the mixer's checkpoint name; `norm` makes the
-    two norms, `norm(hidden_size, eps=eps)` (Qwen's zero-centred RMSNorm, or OLMo Hybrid's `layers.norm.RMSNorm`).
-    The model runs its layers through `forward_split`, so each residual add is fused with the norm that follows it."""
+    hidden + mlp(post_attention_layernorm(hidden)). `mixer_name` is the mixer's checkpoint name. The model runs its
+    layers through `forward_split`, so each residual add is fused with the norm that follows it.
 
-    def __init__(self, mixer_name: str, mixer: nn.Module, mlp: nn.Module | None, hidden_size: int, eps: float,
-                 norm: Callable[..., nn.Module] = ZeroCenteredRMSNorm):
+    `norm` makes the two norms, `norm(hidden_size, eps)` (Qwen's zero-centred RMSNorm by default; Jamba's, LFM2's and
+    OLMo Hybrid's are `layers.norm.RMSNorm`s); `mlp_name` and `post_norm_name` are the checkpoint names of the
+    feed-forward block and the norm before it (Jamba: `feed_forward`, `pre_ff_layernorm`)."""
+
+    def __init__(self, mixer_name: str, mixer: nn.Module, mlp: nn.Module | None, hidden_size: int, eps: float, *,
+                 norm: Callable[[int, float], nn.Module] = ZeroCenteredRMSNorm, mlp_name: str = "mlp",
+                 post_norm_name: str = "post_attention_layernorm") -> None:
         super().__init__()
-        self.mixer_name = mixer_name
-        self.add_module(mixer_name, mixer)
-        self.mlp = mlp
-        self.input_layernorm = norm(hidden_size, eps=eps)
-        self.post_attention_layernorm = norm(hidden_size, eps=eps) if mlp is not None else None
+        self.mixer_name, self.mlp_name, self.post_norm_name = mixer_name, mlp_name, post_norm_name
+        # registered under their checkpoint names (directly: `add_module` refuses a name the properties below hold)
+        self._modules[mixer_name] = mixer
+        self._modules[mlp_name] = mlp
+        self.input_layernorm = norm(hidden_size, eps)
+        self._modules[post_norm_name] = norm(hidden_size, eps) if mlp is not None else None
 
     @property
     def mixer(self) -> nn.Module:
-        return getattr(self, self.mixer_name)
+        return self._modules[self.mixer_name]
+
+    @property
+    def mlp(self) -> nn.Module | None:
+        return self._modules[self.mlp_name]
+
+    @property
+    def post_attention_layernorm(self) -> nn.Module | None:
+        return self._modules[self.post_norm_name]
 
     def forward(self, hidden: torch.Tensor, step: StepContext, state: LayerState) -> torch.Tensor:
         residual, out = self.forward_split(hidden, None, step, state)
@@ -115,6 +134,8 @@ class HybridCausalLM(nn.Module):
     deltanet_cls: type[nn.Module] = GatedDeltaNet
     deltanet_norm_eps: float | None = None  # the DeltaNet's gated norm's eps where it is not rms_norm_eps
     supported_model_types: tuple[str, ...] = ()
+    # State layers per decoder layer (module docstring): 1, the mixer's; k > 1, the layer's own `state_specs`
+    states_per_layer: int = 1
     # What the model has besides text generation in the model dtype (a loader or engine option asking for one it
     # lacks is refused with a ValueError naming the architecture)
     supports_fp8: bool = True
@@ -223,13 +244,25 @@ class HybridCausalLM(nn.Module):
         logits = self.tp.all_gather_last(module_linear(self.lm_head, hidden))  # [.., size x ceil(vocab / size)]
         vocab = self.config.vocab_size
         logits = logits if logits.shape[-1] == vocab else logits[..., :vocab]
-        scaling = self.config.multipliers.logits_scaling
-        logits = logits if scaling == 1.0 else logits / scaling  # (Granite; in the lm_head's dtype, as transformers)
+        multipliers = self.config.multipliers
+        # (Granite divides, Falcon-H1 multiplies; in the lm_head's dtype, as transformers)
+        logits = logits if multipliers.logits_scaling == 1.0 else logits / multipliers.logits_scaling
+        logits = logits if multipliers.logits == 1.0 else logits * multipliers.logits
         return logits if raw else logits.float()
 
+    @property
+    def num_state_layers(self) -> int:
+        """The state layers of the decoder layers (`states_per_layer` each): `pools.layers` holds them first."""
+        return len(self.model.layers) * self.states_per_layer
+
     def state_specs(self, dtype: torch.dtype, state_dtype: torch.dtype) -> tuple[LayerSpec, ...]:
-        """Each layer's device state spec, in layer order (pools: `DevicePools.allocate`)."""
-        return tuple(layer.mixer.state_spec(dtype, state_dtype) for layer in self.model.layers)
+        """Each state layer's device state spec, in layer order (pools: `DevicePools.allocate`): a decoder layer's
+        mixer's, or its `states_per_layer` own (`layer.state_specs`)."""
+        if self.states_per_layer == 1:
+            return tuple(layer.mixer.state_spec(dtype, state_dtype) for layer in self.model.layers)
+        specs = tuple(spec for layer in self.model.layers for spec in layer.state_specs(dtype, state_dtype))
+        assert len(specs) == self.num_state_layers, "each decoder layer lists states_per_layer specs"
+        return specs
 
     def slot_specs(self, dtype: torch.dtype) -> tuple[StateTensorSpec, ...]:
         """Per-slot tensors of no layer: `last_hidden` [hidden], the final-norm hidden state of the last
@@ -282,8 +315,10 @@ class HybridCausalLM(nn.Module):
         rope = batch_cos_sin(batch, self.config.attention, hidden.dtype)  # image tokens: 3-D positions
         step = StepContext(batch=batch, backend=backend, rope=rope, splitter=splitter)
         pending = None  # the last layer's output not yet added to hidden (`DecoderLayer.forward_split`)
-        # (pools.layers may go on with an MTP head's KV)
-        for layer, state in zip(self.model.layers, pools.layers[: len(self.model.layers)], strict=True):
+        states = pools.layers[: self.num_state_layers]  # (pools.layers may go on with an MTP head's KV)
+        k = self.states_per_layer
+        for layer_id, layer in enumerate(self.model.layers):
+            state = states[layer_id] if k == 1 else states[k * layer_id : k * (layer_id + 1)]
             hidden, pending = layer.forward_split(hidden, pending, step, state)
         return hidden, pending
 

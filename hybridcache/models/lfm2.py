@@ -12,17 +12,16 @@ Module tree (our names; the checkpoints' in brackets, renamed by the loader: `lo
     model.layers.{i}.self_attn                  q_proj, k_proj, v_proj, o_proj [out_proj]; q_norm, k_norm [head_dim]
                                                 [q_layernorm, k_layernorm] (layer_types[i] "full_attention")
     model.layers.{i}.post_attention_layernorm   [ffn_norm]
-    model.layers.{i}.mlp                        gate_proj [feed_forward.w1], up_proj [w3], down_proj [w2]
+    model.layers.{i}.feed_forward               gate_proj [w1], up_proj [w3], down_proj [w2]
     LFM2-MoE's MoE layers:
-    model.layers.{i}.mlp.gate                   weight [E, H] [feed_forward.gate], e_score_correction_bias [E]
-                                                [feed_forward.expert_bias], both float32 (`GroupedTopKRouter`)
-    model.layers.{i}.mlp.experts.{e}.*          gate_proj [feed_forward.experts.{e}.w1], up_proj [w3],
-                                                down_proj [w2] (transformers' stacked experts.gate_up_proj /
-                                                down_proj load too)
+    model.layers.{i}.feed_forward.gate          weight [E, H], e_score_correction_bias [E] [feed_forward.expert_bias],
+                                                both float32 (`GroupedTopKRouter`)
+    model.layers.{i}.feed_forward.experts.{e}.* gate_proj [w1], up_proj [w3], down_proj [w2] (transformers' stacked
+                                                experts.gate_up_proj / down_proj load too)
     model.norm                                  [model.embedding_norm: applied after the last layer, as transformers]
     lm_head                                     the embedding itself (tie_embedding, true in the released configs)
 
-A layer: h = h + mixer(norm1(h)); h = h + mlp(norm2(h)) (`hybrid_lm.DecoderLayer`). An MoE block: scores =
+A layer: h = h + mixer(norm1(h)); h = h + feed_forward(norm2(h)) (`hybrid_lm.DecoderLayer`). An MoE block: scores =
 sigmoid(gate(x)), the top k of scores + expert_bias picked, their scores renormalised (+ 1e-6) and times
 routed_scaling_factor, the SiLU-gated experts through the backend's `moe`; no shared expert (Nemotron-H's router with
 one group, in float32 where transformers computes LFM2-MoE's in the model dtype: equal in fp32, a rounding apart in
@@ -93,7 +92,8 @@ class Lfm2ForCausalLM(HybridCausalLM):
         c = self.config
         name, mixer = ("conv", self._short_conv()) if c.layer_types[layer_id] is LayerKind.SHORT_CONV else (
             "self_attn", self._attention())
-        return DecoderLayer(name, mixer, self._mlp(layer_id), c.hidden_size, c.rms_norm_eps, norm=Lfm2RMSNorm)
+        return DecoderLayer(name, mixer, self._mlp(layer_id), c.hidden_size, c.rms_norm_eps, norm=Lfm2RMSNorm,
+                            mlp_name="feed_forward")
 
     def _mlp(self, layer_id: int) -> nn.Module:
         """A dense SwiGLU MLP, or (LFM2-MoE, `config.is_moe_layer`) an `Lfm2MoE` block."""

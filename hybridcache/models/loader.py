@@ -10,25 +10,29 @@ Tensor name rules, applied to every checkpoint tensor in this order:
    embedding to it;
 2. renamed: `model.language_model.X` -> `model.X` (multimodal wrappers store the language model there);
    Nemotron-H's `backbone.X` -> `model.X`, and its `model.embeddings.weight` -> `model.embed_tokens.weight`,
-   `model.norm_f.weight` -> `model.norm.weight` (`RENAMED_NAMES`, in either prefix); Granite's
+   `model.norm_f.weight` -> `model.norm.weight` (`RENAMED_NAMES`, in either prefix), Bamba's, Falcon-H1's and Jamba's
+   `model.final_layernorm.weight` -> `model.norm.weight`; Granite's
    MoE tensors as transformers renames them (`RENAMED_SUFFIXES`): `block_sparse_moe.input_linear.weight` ->
    `block_sparse_moe.experts.gate_up_proj`, `output_linear.weight` -> `experts.down_proj`, `router.layer.weight`
    -> `router.weight`; OLMo Hybrid's `attention_layer_norm.weight` -> `input_layernorm.weight`,
    `feedforward_layer_norm.weight` -> `post_attention_layernorm.weight` (as transformers' conversion mapping reads
    them; its `save_pretrained` writes them); LFM2's names onto the shared decoder layer's: `operator_norm` ->
-   `input_layernorm`, `ffn_norm` -> `post_attention_layernorm`, `feed_forward.w1 / w3 / w2` -> `mlp.gate_proj /
-   up_proj / down_proj`, `self_attn.out_proj` -> `self_attn.o_proj`, `self_attn.q_layernorm / k_layernorm` ->
-   `self_attn.q_norm / k_norm`, and `model.embedding_norm.weight` (its final norm) -> `model.norm.weight`;
-   LFM2-MoE's `feed_forward.gate.weight` / `expert_bias` -> `mlp.gate.weight` / `e_score_correction_bias`, its experts
-   `feed_forward.experts.{e}.w1 / w3 / w2` -> `mlp.experts.{e}.gate_proj / up_proj / down_proj` (`RENAMED_EXPERTS`)
-   and its stacked `feed_forward.experts.gate_up_proj / down_proj` -> `mlp.experts.*`;
+   `input_layernorm`, `ffn_norm` -> `post_attention_layernorm`, `feed_forward.w1 / w3 / w2` ->
+   `feed_forward.gate_proj / up_proj / down_proj`, `self_attn.out_proj` -> `self_attn.o_proj`,
+   `self_attn.q_layernorm / k_layernorm` -> `self_attn.q_norm / k_norm`, and `model.embedding_norm.weight` (its final
+   norm) -> `model.norm.weight`; LFM2-MoE's `feed_forward.expert_bias` -> `feed_forward.gate.e_score_correction_bias`
+   and its experts `feed_forward.experts.{e}.w1 / w3 / w2` -> `feed_forward.experts.{e}.gate_proj / up_proj /
+   down_proj` (`RENAMED_EXPERTS`; its router `feed_forward.gate.weight` and stacked experts keep their names);
 3. MoE experts are accepted in either form, mapped onto our per-expert modules:
    - per expert, as hub checkpoints and transformers 5.24 `save_pretrained` write them:
      `...mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj.weight` [I, H], `down_proj.weight` [H, I];
    - stacked, as transformers' in-memory modules hold them: `...mlp.experts.gate_up_proj` [E, 2I, H]
-     (gate rows first, then up rows) and `...mlp.experts.down_proj` [E, H, I] (`block_sparse_moe.experts` too);
+     (gate rows first, then up rows) and `...mlp.experts.down_proj` [E, H, I] (`block_sparse_moe.experts` and
+     Jamba's and LFM2-MoE's `feed_forward.experts` too);
      Nemotron-H's ungated experts `...mixer.experts.up_proj` [E, I, H] and `...mixer.experts.down_proj` [E, H, I]
-     (its checkpoints write them per expert, `mixer.experts.{e}.up_proj.weight`);
+     (its checkpoints write them per expert, `mixer.experts.{e}.up_proj.weight`); a stacked FP8 weight's
+     per-channel scale `<stacked>.weight_scale` [E, rows, 1] (Granite's `input_linear.weight_scale`) is split
+     with it, each expert's part its linear's `weight_scale`;
 4. row blocks of one parameter (`CONCATENATED_SUFFIXES`): OLMo Hybrid's `linear_attn.q_conv1d.weight`,
    `k_conv1d.weight` and `v_conv1d.weight` (as its checkpoints write them) are the rows of our
    `linear_attn.conv1d.weight`, in that order (transformers concatenates them the same way); the one tensor
@@ -41,8 +45,11 @@ is expected raises `ValueError` naming the tensor (and its file, its shapes or d
 cannot be read (naming the file). All checks read only safetensors headers, before any weight memory is allocated.
 
 FP8 checkpoints (`hybridcache.models.quant`): the linears whose checkpoint weight has a scale beside it become
-`Fp8Linear`s on the meta model before the checks, so their `weight` (float8_e4m3fn) and scale are planned and
-copied like any parameter (UE8M0 block scales, float8_e8m0fnu, as their fp32 values: exact); `quantization="fp8"`
+`Fp8Linear`s on the meta model before the checks (each expert's, for a stacked one), so their `weight`
+(float8_e4m3fn) and scale are planned and copied like any parameter (UE8M0 block scales, float8_e8m0fnu, as their
+fp32 values: exact; a per-tensor scale as that number on every row, a [N] one as [N, 1]:
+`quant.channel_scale_shapes`); their static activation scales (`input_scale`) are not read
+(`quant.pop_input_scales`); `quantization="fp8"`
 quantises a dense checkpoint's linears after they are read (under tensor parallelism each rank its own shard).
 `load_format="dummy"` reads no weights: random ones are drawn on the device (`randomize_`), FP8 linears quantised
 from their draws (a benchmark model that no disk could hold). With tensor parallelism each rank draws every full
@@ -67,6 +74,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -80,41 +88,44 @@ from hybridcache.models.registry import get_model_class
 LOAD_FORMATS = ("auto", "dummy")
 IGNORED_PREFIXES = ("mtp.", "model.visual.")
 RENAMED_PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."))
-# Whole names, after the prefixes (Nemotron-H's embedding and final norm)
+# Whole names, after the prefixes (Nemotron-H's embedding and final norm; Bamba's, Falcon-H1's, Jamba's and LFM2's
+# final norm)
 RENAMED_NAMES = {"model.embeddings.weight": "model.embed_tokens.weight", "model.norm_f.weight": "model.norm.weight",
-                 "model.embedding_norm.weight": "model.norm.weight"}  # (LFM2's final norm)
-RENAMED_SUFFIXES = (  # Granite's MoE block and OLMo Hybrid's norms, as transformers' conversion mapping renames them
+                 "model.final_layernorm.weight": "model.norm.weight",
+                 "model.embedding_norm.weight": "model.norm.weight"}
+RENAMED_SUFFIXES = (  # Granite's MoE block (and its FP8 scales) and OLMo Hybrid's norms, as transformers' conversion
+    # mapping renames them
     (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
     (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
+    (".block_sparse_moe.input_linear.weight_scale", ".block_sparse_moe.experts.gate_up_proj.weight_scale"),
+    (".block_sparse_moe.output_linear.weight_scale", ".block_sparse_moe.experts.down_proj.weight_scale"),
     (".block_sparse_moe.router.layer.weight", ".block_sparse_moe.router.weight"),
     (".attention_layer_norm.weight", ".input_layernorm.weight"),
     (".feedforward_layer_norm.weight", ".post_attention_layernorm.weight"),
-    # LFM2's layers (`models/lfm2.py`)
+    # LFM2's layers (`models/lfm2.py`; its feed-forward block is `feed_forward`, as Jamba's and Bamba's)
     (".operator_norm.weight", ".input_layernorm.weight"),
     (".ffn_norm.weight", ".post_attention_layernorm.weight"),
-    (".feed_forward.w1.weight", ".mlp.gate_proj.weight"),
-    (".feed_forward.w3.weight", ".mlp.up_proj.weight"),
-    (".feed_forward.w2.weight", ".mlp.down_proj.weight"),
-    (".feed_forward.gate.weight", ".mlp.gate.weight"),  # (LFM2-MoE's router, its bias, its stacked experts)
-    (".feed_forward.expert_bias", ".mlp.gate.e_score_correction_bias"),
-    (".feed_forward.experts.gate_up_proj", ".mlp.experts.gate_up_proj"),
-    (".feed_forward.experts.down_proj", ".mlp.experts.down_proj"),
+    (".feed_forward.w1.weight", ".feed_forward.gate_proj.weight"),
+    (".feed_forward.w3.weight", ".feed_forward.up_proj.weight"),
+    (".feed_forward.w2.weight", ".feed_forward.down_proj.weight"),
+    (".feed_forward.expert_bias", ".feed_forward.gate.e_score_correction_bias"),  # (LFM2-MoE's router's bias)
     (".self_attn.out_proj.weight", ".self_attn.o_proj.weight"),
     (".self_attn.q_layernorm.weight", ".self_attn.q_norm.weight"),
     (".self_attn.k_layernorm.weight", ".self_attn.k_norm.weight"),
 )
-# LFM2-MoE's experts one by one: feed_forward.experts.{e}.w1 / w3 / w2 -> mlp.experts.{e}.gate_proj / up_proj /
-# down_proj
+# LFM2-MoE's experts one by one: feed_forward.experts.{e}.w1 / w3 / w2 -> feed_forward.experts.{e}.gate_proj /
+# up_proj / down_proj
 RENAMED_EXPERTS = (re.compile(r"\.feed_forward\.experts\.(?P<e>\d+)\.(?P<w>w[123])\.weight$"),
-                   {"w1": ".mlp.experts.{}.gate_proj.weight", "w3": ".mlp.experts.{}.up_proj.weight",
-                    "w2": ".mlp.experts.{}.down_proj.weight"})
+                   {"w1": ".feed_forward.experts.{}.gate_proj.weight", "w3": ".feed_forward.experts.{}.up_proj.weight",
+                    "w2": ".feed_forward.experts.{}.down_proj.weight"})
 # Our parameter -> the checkpoint tensors that are its row blocks, in order (OLMo Hybrid's short convolutions)
 CONCATENATED_SUFFIXES = {
     ".linear_attn.conv1d.weight": (".linear_attn.q_conv1d.weight", ".linear_attn.k_conv1d.weight",
                                    ".linear_attn.v_conv1d.weight"),
 }
-_STACKED_EXPERTS = re.compile(
-    r"^(?P<prefix>.*\.(?:mlp|block_sparse_moe|mixer)\.experts)\.(?P<kind>gate_up_proj|up_proj|down_proj)$")
+# Stacked experts [E, ...] and their stacked FP8 scales (`<kind>.weight_scale` [E, rows, 1]: per channel)
+_STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.(?:mlp|block_sparse_moe|mixer|feed_forward)\.experts)\."
+                              r"(?P<kind>gate_up_proj|up_proj|down_proj)(?:\.(?P<scale>weight_scale))?$")
 _EMBEDDING = "model.embed_tokens.weight"
 _logger = logging.getLogger(__name__)
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)  # UE8M0 block scales' dtype (torch >= 2.7)
@@ -154,8 +165,8 @@ def _shape(values: torch.Size | tuple[int, ...] | list[int]) -> tuple[int, ...]:
 def pop_kv_scales(shapes: dict[str, tuple[int, ...]], location: dict[str, Path], read: bool,
                   rename: Callable[[str], str]) -> dict[str, float]:
     """Take the per-layer FP8 KV scale tensors (`quant.is_kv_scale`) out of `shapes` (they are no weights), and
-    the query scales (`quant.is_query_scale`, never read); with
-    `read`, their values by `rename(checkpoint name)`, else {}.
+    the query scales (`quant.is_query_scale`, never read); with `read`, their values by `rename(checkpoint name)`
+    (ModelOpt's `X.k_proj.k_scale` as `X.k_scale`: `quant.kv_scale_name`), else {}.
 
     A scale holds one number, or one per KV head (llm-compressor's `kv_cache_scheme.strategy: "attn_head"`,
     shape [num_kv_heads]); our attention layers scale a whole layer's K (V) by one number, so per-head scales
@@ -182,12 +193,17 @@ def pop_kv_scales(shapes: dict[str, tuple[int, ...]], location: dict[str, Path],
                              f"{values.tolist()[:8]}: an FP8 KV scale must be positive and finite")
         if values.numel() > 1:
             per_head.append((name, shape))
-        scales[rename(name)] = float(values.max())
+        scales[rename(quant.kv_scale_name(name))] = float(values.max())
     if per_head:
         _logger.warning("%d FP8 KV scale tensors in %s hold one scale per KV head (e.g. %r, shape %s); each layer "
                         "stores its K and V with one scale, so they are merged into their max (as vLLM does)",
                         len(per_head), location[per_head[0][0]].parent, per_head[0][0], list(per_head[0][1]))
     return scales
+
+
+def is_stacked_experts(checkpoint_name: str) -> bool:
+    """A checkpoint tensor holding every expert of a MoE block, stacked (rule 3 above)."""
+    return _STACKED_EXPERTS.match(model_name(checkpoint_name)) is not None
 
 
 def model_name(checkpoint_name: str) -> str:
@@ -263,7 +279,7 @@ def plan_weights_for(
             blocks.setdefault(block[0], {})[block[1]] = (raw_name, shape)
         elif stacked:
             problems += _plan_stacked(stacked["prefix"], stacked["kind"], raw_name, shape, expected, plan,
-                                    name_prefix)
+                                      name_prefix, suffix=stacked["scale"] or "weight")
         elif name not in expected:
             problems.append(f"unexpected tensor {quoted(raw_name)} with shape {list(shape)}")
         elif shape != expected[name]:
@@ -331,34 +347,33 @@ def _plan_stacked(
     expected: Mapping[str, tuple[int, ...]],
     plan: dict[str, _Source],
     name_prefix: str = "",
+    suffix: str = "weight",
 ) -> list[str]:
     """Plan the per-expert slices of a stacked `gate_up_proj` [E, 2I, H], `up_proj` [E, I, H] (ungated experts) or
-    `down_proj` [E, H, I]; problems name tensors with `name_prefix` in front."""
+    `down_proj` [E, H, I] (`suffix` "weight"), or of the stacked per-channel scales of FP8 ones ("weight_scale":
+    [E, 2I, 1], [E, I, 1], [E, H, 1]); problems name tensors with `name_prefix` in front."""
 
     def quoted(name: str) -> str:
         return repr(name_prefix + name)
 
     num_experts = sum(1 for n in expected if n.startswith(prefix + ".") and n.endswith(".down_proj.weight"))
-    if num_experts == 0:
+    parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else (kind,)
+    held = [expected.get(f"{prefix}.0.{part}.{suffix}") for part in parts]  # one expert's, per part
+    if num_experts == 0 or None in held or len({part[1:] for part in held}) != 1:
         return [f"unexpected tensor {quoted(raw_name)} with shape {list(shape)}"]
-    down = expected[f"{prefix}.0.down_proj.weight"]  # [H, I]
-    hidden, inter = down
-    want = {"gate_up_proj": (num_experts, 2 * inter, hidden), "up_proj": (num_experts, inter, hidden),
-            "down_proj": (num_experts, hidden, inter)}[kind]
+    starts = [sum(part[0] for part in held[:i]) for i in range(len(held) + 1)]  # each part's first row
+    want = (num_experts, starts[-1], *held[0][1:])
     if shape != want:
         return [f"shape mismatch for tensor {quoted(raw_name)}: checkpoint {list(shape)}, model {list(want)}"]
-    parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else (kind,)
     given = [plan[target].checkpoint_name for e in range(num_experts) for part in parts
-             if (target := f"{prefix}.{e}.{part}.weight") in plan]
+             if (target := f"{prefix}.{e}.{part}.{suffix}") in plan]
     if given:
-        return [f"tensor {name_prefix}{prefix}.*.{'/'.join(parts)}.weight given twice: as {quoted(given[0])} (and "
-                f"{len(given) - 1} more) and {quoted(raw_name)}"]
+        return [f"tensor {name_prefix}{prefix}.*.{'/'.join(parts)}.{suffix} given twice: as {quoted(given[0])} "
+                f"(and {len(given) - 1} more) and {quoted(raw_name)}"]
     for e in range(num_experts):
-        if kind == "gate_up_proj":
-            plan[f"{prefix}.{e}.gate_proj.weight"] = _Source(raw_name, e, (0, inter))
-            plan[f"{prefix}.{e}.up_proj.weight"] = _Source(raw_name, e, (inter, 2 * inter))
-        else:
-            plan[f"{prefix}.{e}.{kind}.weight"] = _Source(raw_name, e)
+        for i, part in enumerate(parts):
+            rows = (starts[i], starts[i + 1]) if len(parts) > 1 else None
+            plan[f"{prefix}.{e}.{part}.{suffix}"] = _Source(raw_name, e, rows)
     return []
 
 
@@ -499,14 +514,21 @@ def load_model(
     config = _tie_as_transformers(config, location, shapes)
     with torch.device("meta"):
         model = model_cls(config, tp).to(dtype=dtype)
-    quant.convert_linears(model, _checkpoint_fp8(fmt, dtypes))
+    fp8 = _checkpoint_fp8(fmt, shapes, dtypes)
+    quant.convert_linears(model, fp8.linears)
     plan, shards = _sharded_plan(model, shapes)
     check_float_dtypes({name for source in plan.values() for name in source.names}, dtypes, location)
 
     model = model.to_empty(device=device)
     model.tie_weights()
     handles = {file: safe_open(str(file), framework="pt", device="cpu") for file in files}
-    _copy_planned(model, plan, shards, lambda name, index: handles[location[name]].get_slice(name)[index])
+
+    def read(name: str, index: tuple[int | slice, ...]) -> torch.Tensor:
+        if name in fp8.reshaped:  # a per-tensor or [N] scale, as the linear's [N, 1]
+            return quant.expand_channel_scale(handles[location[name]].get_tensor(name), fp8.reshaped[name])[index]
+        return handles[location[name]].get_slice(name)[index]
+
+    _copy_planned(model, plan, shards, read)
     if quantization == "fp8" and fmt is None:
         quant.quantize_linears_(model, quant.quantizable_linears(model))
     return quant.set_kv_fp8(model, kv_fp8, kv_scales).eval()
@@ -530,7 +552,8 @@ def check_split(
         target = _dummy_format(fmt, quantization)
         quant.convert_linears(model, {} if target is None else dict.fromkeys(quant.quantizable_linears(model), target))
     else:
-        quant.convert_linears(model, _checkpoint_fp8(fmt, _read_headers(safetensors_files(model_dir))[2]))
+        _, shapes, dtypes = _read_headers(safetensors_files(model_dir))
+        quant.convert_linears(model, _checkpoint_fp8(fmt, shapes, dtypes).linears)
     checkpoint_shards(model, one_rank_twin(model))
 
 
@@ -592,13 +615,37 @@ def _tie_as_transformers(config: ModelConfig, location: Mapping[str, Path],
     return replace(config, tie_word_embeddings=False)
 
 
-def _checkpoint_fp8(fmt: quant.Fp8Format | None, dtypes: Mapping[str, str]) -> dict[str, quant.Fp8Format]:
-    """Our module name -> `fmt` for every linear the checkpoint (tensor name -> safetensors dtype) holds in FP8
-    (`quant.fp8_modules`; ValueError when its float8 tensors are not exactly those weights)."""
+class _CheckpointFp8(NamedTuple):
+    """The FP8 linears of a checkpoint: our module name -> format (`linears`: each expert's, for stacked experts)
+    and the scales read in another shape than they are held (`reshaped`: checkpoint name -> held shape)."""
+
+    linears: dict[str, quant.Fp8Format]
+    reshaped: dict[str, tuple[int, ...]]
+
+
+def _checkpoint_fp8(fmt: quant.Fp8Format | None, shapes: dict[str, tuple[int, ...]],
+                    dtypes: Mapping[str, str]) -> _CheckpointFp8:
+    """Every linear the checkpoint (tensor name -> shape, -> safetensors dtype) holds in FP8 (`quant.fp8_modules`;
+    ValueError when its float8 tensors are not exactly those weights). `shapes` loses the linears' static
+    activation scales (`quant.pop_input_scales`) and holds their per-channel scales as the linears do
+    (`quant.channel_scale_shapes`)."""
     ours = {name: dtype for name, dtype in dtypes.items() if not name.startswith(IGNORED_PREFIXES)}
     fp8 = quant.fp8_modules(ours, fmt) if fmt is not None else []
     quant.check_fp8_dtypes(ours, fp8)
-    return {model_name(name): fmt for name in fp8}
+    if fmt is None:
+        return _CheckpointFp8({}, {})
+    quant.pop_input_scales(shapes, fp8)
+    linears = {}
+    for module in fp8:
+        weight = model_name(f"{module}.weight")
+        stacked = _STACKED_EXPERTS.match(weight)
+        if stacked is None:
+            linears[weight[: -len(".weight")]] = fmt
+            continue
+        parts = ("gate_proj", "up_proj") if stacked["kind"] == "gate_up_proj" else (stacked["kind"],)
+        for e in range(shapes[f"{module}.weight"][0]):
+            linears.update({f"{stacked['prefix']}.{e}.{part}": fmt for part in parts})
+    return _CheckpointFp8(linears, quant.channel_scale_shapes(shapes, fp8, fmt))
 
 
 def _dummy_format(fmt: quant.Fp8Format | None, quantization: str | None) -> quant.Fp8Format | None:
@@ -608,7 +655,7 @@ def _dummy_format(fmt: quant.Fp8Format | None, quantization: str | None) -> quan
 
 def _check_fp8_support(model_cls: type[HybridCausalLM], config: ModelConfig, fp8_weights: bool, kv_fp8: bool) -> None:
     """ValueError naming the architecture when FP8 weights (an FP8 checkpoint or `quantization`) or FP8 KV are asked
-    of a model class without them (`HybridCausalLM.supports_fp8`: Granite-4.0-H)."""
+    of a model class without them (`HybridCausalLM.supports_fp8` false: a Mamba2 hybrid that does not declare it)."""
     if model_cls.supports_fp8 or not (fp8_weights or kv_fp8):
         return
     asked = "FP8 weights (an FP8 checkpoint or --quantization fp8)" if fp8_weights else "an FP8 KV cache"

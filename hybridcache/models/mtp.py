@@ -65,11 +65,27 @@ MTP_FILE = "mtp.safetensors"
 _LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 # config.json keys that count the MTP layers (Qwen3.5, Qwen3-Next)
 MTP_LAYER_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
-# The text model types whose MTP heads this module builds (Nemotron-H's MTP layers, `num_nextn_predict_layers`, are
-# another design: refused)
+# The text model types whose MTP heads this module builds
 MTP_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# The model types with MTP layers of another design, refused as such (Nemotron 3's, `num_nextn_predict_layers`); the
+# other model types have no MTP layers at all (Granite-4.0-H, Bamba, Falcon-H1, Jamba)
+OTHER_MTP_MODEL_TYPES = ("nemotron_h",)
 # the seed of a random head (`write_random_mtp` adds it to its seed; `load_format="dummy"` draws with it)
 DUMMY_SEED = 7919
+
+
+def check_mtp_model_type(config: ModelConfig) -> None:
+    """ValueError naming the architecture unless this module builds its MTP head (a model type of `MTP_MODEL_TYPES`):
+    for a model type whose MTP layers are another design (`OTHER_MTP_MODEL_TYPES`) it says so, for any other that the
+    model has none."""
+    if config.model_type in MTP_MODEL_TYPES:
+        return
+    if config.model_type in OTHER_MTP_MODEL_TYPES:
+        raise ValueError(f"speculative method 'mtp' is not supported for {config.architecture}: this head is "
+                         f"Qwen3.5's / Qwen3-Next's (model_type {', '.join(MTP_MODEL_TYPES)}), not the MTP "
+                         f"layers of model_type {config.model_type!r}")
+    raise ValueError(f"speculative method 'mtp' needs a model with MTP layers; {config.architecture} has none "
+                     f"(model_type {config.model_type!r})")
 
 
 class MtpHead(nn.Module):
@@ -80,10 +96,7 @@ class MtpHead(nn.Module):
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"an MTP head has at least one layer, got {num_layers}")
-        if config.model_type not in MTP_MODEL_TYPES:
-            raise ValueError(f"speculative method 'mtp' is not supported for {config.architecture}: this head is "
-                             f"Qwen3.5's / Qwen3-Next's (model_type {', '.join(MTP_MODEL_TYPES)}), not the MTP "
-                             f"layers of model_type {config.model_type!r}")
+        check_mtp_model_type(config)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.config = config
         self.tp = tp
@@ -298,6 +311,7 @@ def check_mtp_head(model_dir: str | Path, tp: TensorParallel = UNSHARDED, *, loa
 
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
+    check_mtp_model_type(config)  # (before the tensors: a model type without this head needs none)
     if load_format == "dummy":
         with torch.device("meta"):
             MtpHead(config, mtp_num_layers(model_dir, load_format="dummy"), tp)

@@ -29,8 +29,12 @@ which the pools hold as an empty mapping (no slot bytes, no copies), so the engi
 change.
 
 The residual stream stays in the model dtype (`residual_in_fp32` is read by neither transformers' NemotronH nor
-here). Not supported (a ValueError says so): tensor parallelism, FP8 weights or KV, MTP (`num_nextn_predict_layers`:
-its `mtp.` tensors are not loaded).
+here). FP8: NVIDIA ModelOpt checkpoints (per-tensor weight scales, read per channel; the selective recipe's dense
+attention, Mamba and router layers stay dense, as the checkpoint holds them), compressed-tensors and fine-grained
+ones, `--quantization fp8`; FP8 KV with the checkpoint's `mixer.k_proj.k_scale` / `v_proj.v_scale`. On CUDA the FP8
+grouped expert GEMM is SiLU-gated only, so FP8 MoE layers (relu^2 experts) run on the reference backend alone (the
+CUDA backend's `moe` refuses them). Not supported (a ValueError says so): tensor parallelism, MTP
+(`num_nextn_predict_layers`: its `mtp.` tensors are not loaded).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from hybridcache.layers.norm import RMSNorm
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import GroupedRouting, LayerKind, ModelConfig
 from hybridcache.models.granite import GraniteAttention
-from hybridcache.models.mamba2_hybrid import Mamba2HybridLM, mamba2_mixer
+from hybridcache.models.mamba2_hybrid import MambaHybridLM, mamba2_mixer
 from hybridcache.state_spec import LayerState, RecurrentSpec
 
 
@@ -168,8 +172,9 @@ class NemotronHBlock(nn.Module):
         return hidden, self.mixer(normed, step, state)
 
 
-class NemotronHForCausalLM(Mamba2HybridLM):
+class NemotronHForCausalLM(MambaHybridLM):
     supported_model_types = ("nemotron_h",)
+    supports_fp8 = True
 
     def _layer(self, layer_id: int) -> nn.Module:
         return NemotronHBlock(self._block_mixer(layer_id), self.config.hidden_size, self.config.rms_norm_eps)

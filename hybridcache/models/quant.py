@@ -8,9 +8,25 @@ Formats read from `config.json`'s `quantization_config` (`checkpoint_format`):
   `X.weight_scale_inv` [ceil(out/128), ceil(in/128)]; experts per expert (`mlp.experts.{e}.*_proj`).
 - `quant_method: "compressed-tensors"`, `format: "float-quantized"`: every config group's weights 8-bit float,
   `strategy: "channel"`, symmetric, static; input activations absent or dynamic per token (FP8_DYNAMIC);
-  `X.weight` (float8_e4m3fn) and `X.weight_scale` [out, 1]. A group that targets attention modules only and
-  quantises no weights (llm-compressor's attention / KV quantisation, `targets: ["Qwen3_5Attention"]`) is skipped
-  with a warning, as vLLM does: FP8 KV comes from `--kv-cache-dtype fp8` and the `k_scale` / `v_scale` tensors.
+  `X.weight` (float8_e4m3fn) and `X.weight_scale` [out, 1]. Stacked experts (llm-compressor's Granite-4.0-H
+  recipe) hold `input_linear.weight` [E, 2I, H] with `input_linear.weight_scale` [E, 2I, 1] and `output_linear.*`
+  likewise (the loader splits them per expert). A group that targets attention modules only and quantises no
+  weights (llm-compressor's attention / KV quantisation, `targets: ["Qwen3_5Attention"]`) is skipped with a
+  warning, as vLLM does: FP8 KV comes from `--kv-cache-dtype fp8` and the `k_scale` / `v_scale` tensors.
+- `quant_method: "modelopt"` (NVIDIA ModelOpt; Nemotron-H / Nemotron 3 FP8), in config.json's flat spelling
+  (`quant_algo`, `kv_cache_scheme`, `ignore`, `config_groups`) or `hf_quant_config.json`'s nested one
+  (`{"producer", "quantization": {"quant_algo", "kv_cache_quant_algo", "exclude_modules"}}`, read when config.json
+  has no quantization_config): `quant_algo` "FP8" (`X.weight` e4m3, `X.weight_scale` one number per tensor,
+  `X.input_scale` one static activation scale) or "FP8_PER_CHANNEL_PER_TOKEN" (`X.weight_scale` [out]); any other
+  (NVFP4, FP8_PB_WO, MIXED_PRECISION...) is a ValueError naming it. KV cache quantisation: none or FP8 (the
+  attention layers' `k_proj.k_scale` / `v_proj.v_scale`, read with `--kv-cache-dtype fp8`).
+
+All the per-channel formats run as the "channel" format (`fp8_format.CHANNEL`, the kernels unchanged): a scale of
+one number (per tensor) is read as that number for every output row, a scale [out] as [out, 1]
+(`channel_scale_shapes`), so the dequantised weights are exactly the checkpoint's. Static activation scales
+(`X.input_scale`) are not read: activations are quantised per token at run time, as the channel format's GEMMs
+always do (vLLM's per-tensor GEMMs use the static scale because cuBLAS's per-tensor FP8 GEMM takes one number; a
+per-token scale is as fine or finer and never clips a token past the calibrated range), see `pop_input_scales`.
 
 Block scales may be UE8M0 (float8_e8m0fnu, safetensors `F8_E8M0`: powers of two, as transformers' fine-grained FP8
 accepts for `weight_scale_inv`); they are read as fp32 (exact), so such a folder loads as its fp32-scale twin.
@@ -28,6 +44,7 @@ the blocks the rank's rows or columns cover, which must be whole (a split that c
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -45,8 +62,13 @@ from hybridcache.models.config import read_json_object
 
 _logger = logging.getLogger(__name__)
 QUANTIZATIONS = ("fp8",)  # `--quantization` values: quantise a bf16 checkpoint at load
-# Linears that FP8 checkpoints keep in the model dtype (Qwen3-Next-80B-A3B-FP8's modules_to_not_convert).
-_KEEPS_DTYPE = re.compile(r"(^lm_head$|\.mlp\.gate$|\.shared_expert_gate$|\.in_proj_(a|b|ba)$)")
+# Linears that FP8 checkpoints keep in the model dtype (Qwen3-Next-80B-A3B-FP8's modules_to_not_convert; the MoE
+# routers of Granite-4.0-H, `block_sparse_moe.router(.layer)`, and Nemotron-H, `mixer.gate`, as their FP8 recipes).
+_KEEPS_DTYPE = re.compile(
+    r"(^lm_head$|\.mlp\.gate$|\.shared_expert_gate$|\.in_proj_(a|b|ba)$|\.block_sparse_moe\.router(\.layer)?$"
+    r"|\.mixer\.gate$)")
+# ModelOpt's weight formats read here (per tensor / per channel scales, both run per channel)
+MODELOPT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
 
 
 def keeps_dtype(module_name: str) -> bool:
@@ -55,13 +77,17 @@ def keeps_dtype(module_name: str) -> bool:
 
 
 def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
-    """`quantization_config` of `<model_dir>/config.json` (or of its `text_config`), None when absent; ValueError
-    naming config.json when it is not an object."""
+    """`quantization_config` of `<model_dir>/config.json` (or of its `text_config`); without one, ModelOpt's
+    `hf_quant_config.json` beside it (as `quant_method: "modelopt"`, its nested spelling); None when neither;
+    ValueError naming the file when it is not an object."""
     raw = read_json_object(Path(model_dir) / "config.json")
     text = raw.get("text_config")
     found = raw.get("quantization_config") or (text.get("quantization_config") if isinstance(text, dict) else None)
     if found and not isinstance(found, dict):
         raise ValueError(f"config.json quantization_config {found!r} must be an object")
+    sidecar = Path(model_dir) / "hf_quant_config.json"
+    if not found and sidecar.is_file():
+        return {"quant_method": "modelopt", **read_json_object(sidecar)}
     return found or None
 
 
@@ -77,8 +103,11 @@ def checkpoint_format(quantization_config: Mapping[str, Any] | None) -> Fp8Forma
         return _fine_grained(quantization_config)
     if method == "compressed-tensors":
         return _compressed_tensors(quantization_config)
+    if method == "modelopt":
+        return _modelopt(quantization_config)
     raise ValueError(f"quantization_config.quant_method {method!r} is not supported; this engine loads 'fp8' "
-                     "(Qwen's fine-grained FP8) and 'compressed-tensors' (FP8, per-channel weights)")
+                     "(Qwen's fine-grained FP8), 'compressed-tensors' (FP8, per-channel weights) and "
+                     "'modelopt' (NVIDIA ModelOpt FP8)")
 
 
 def _fine_grained(qc: Mapping[str, Any]) -> Fp8Format:
@@ -126,6 +155,34 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> Fp8Format:
     return CHANNEL
 
 
+def _modelopt(qc: Mapping[str, Any]) -> Fp8Format:
+    """NVIDIA ModelOpt, either spelling (module docstring): "FP8" (per-tensor weight scales) and
+    "FP8_PER_CHANNEL_PER_TOKEN" run per channel; ValueError naming any other `quant_algo`, a KV cache quantisation
+    other than FP8, or a config group that is not 8-bit float."""
+    nested = qc.get("quantization")
+    if nested is not None and not isinstance(nested, dict):
+        raise ValueError(f"ModelOpt quantization {nested!r} must be an object")
+    details = nested if nested is not None else qc
+    algo = details.get("quant_algo")
+    if not isinstance(algo, str) or algo.upper() not in MODELOPT_ALGOS:
+        raise ValueError(f"ModelOpt quant_algo {algo!r} is not supported; this engine loads {MODELOPT_ALGOS} (FP8 "
+                         "e4m3 weights with per-tensor or per-channel scales)")
+    kv = details.get("kv_cache_quant_algo", details.get("kv_cache_scheme"))
+    kv_fp8 = (kv is None or (isinstance(kv, str) and kv.upper() == "FP8")
+              or (isinstance(kv, dict) and kv.get("num_bits") == 8 and kv.get("type") == "float"))
+    if not kv_fp8:
+        raise ValueError(f"ModelOpt KV cache quantisation {kv!r} is not supported (only FP8: --kv-cache-dtype fp8 "
+                         "with the checkpoint's k_scale / v_scale)")
+    groups = details.get("config_groups") or {}
+    for name, group in groups.items():
+        for role in ("weights", "input_activations"):
+            spec = (group or {}).get(role)
+            if (spec or role == "weights") and not (isinstance(spec, dict) and spec.get("num_bits") == 8
+                                                     and spec.get("type") == "float"):
+                raise ValueError(f"ModelOpt config group {name!r}: {role} {spec} not supported (8-bit float only)")
+    return CHANNEL
+
+
 def _attention_only(group: Mapping[str, Any]) -> bool:
     """A compressed-tensors config group that targets attention modules only (llm-compressor's attention / KV
     quantisation, e.g. `targets: ["Qwen3_5Attention"]`) and quantises no weights: vLLM skips it
@@ -139,6 +196,41 @@ def fp8_modules(checkpoint_names: Iterable[str], fmt: Fp8Format) -> list[str]:
     """The module names (checkpoint spelling) whose weight is FP8: those with `<name>.<fmt.scale_name>`."""
     suffix = "." + fmt.scale_name
     return sorted(name[: -len(suffix)] for name in checkpoint_names if name.endswith(suffix))
+
+
+def pop_input_scales(shapes: dict[str, tuple[int, ...]], fp8: Iterable[str]) -> list[str]:
+    """Take the static activation scales of the FP8 linears `fp8` (checkpoint names), `X.input_scale` (ModelOpt FP8),
+    out of `shapes` and return their names: they are not read, the activations being quantised per token at run
+    time (module docstring). An `input_scale` beside a weight without a scale stays in `shapes` (the loader then
+    names it an unexpected tensor)."""
+    names = [f"{module}.input_scale" for module in fp8 if f"{module}.input_scale" in shapes]
+    for name in names:
+        del shapes[name]
+    return names
+
+
+def channel_scale_shapes(shapes: dict[str, tuple[int, ...]], fp8: Iterable[str], fmt: Fp8Format
+                         ) -> dict[str, tuple[int, ...]]:
+    """The per-channel scales of the FP8 linears `fp8` (checkpoint names; `fmt` "channel") that the checkpoint holds
+    in another shape than the linear's [N, 1]: one number (per tensor: ModelOpt FP8), read as that number for each
+    of the N rows, or [N] (ModelOpt FP8_PER_CHANNEL_PER_TOKEN). `shapes` is updated to [N, 1] for them; returns
+    their names -> [N, 1] (`expand_channel_scale` reads them). Other shapes are left for the loader to name as
+    mismatched."""
+    if fmt.kind != "channel":
+        return {}
+    out = {}
+    for module in fp8:
+        weight, name = shapes.get(f"{module}.weight"), f"{module}.{fmt.scale_name}"
+        if weight is None or len(weight) != 2 or shapes[name] == (weight[0], 1):
+            continue
+        if math.prod(shapes[name]) == 1 or shapes[name] == (weight[0],):
+            shapes[name] = out[name] = (weight[0], 1)
+    return out
+
+
+def expand_channel_scale(scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A checkpoint scale of one number or [N] (`channel_scale_shapes`) as the per-channel [N, 1] `shape`."""
+    return scale.reshape(shape) if scale.numel() != 1 else scale.reshape(1, 1).expand(shape)
 
 
 def check_fp8_dtypes(dtypes: Mapping[str, str], fp8: Iterable[str]) -> None:
@@ -262,11 +354,12 @@ def _repoint_fused(model: nn.Module, replaced: Mapping[int, nn.Module]) -> None:
 
 def describe_weights(model_dir: str | Path, config: Any) -> str:
     """What the startup line and /health say about the weights of `model_dir` under an `EngineConfig`: the
-    checkpoint's FP8 format (e.g. "fp8-block128x128"), "<format> (quantized at load)", or "dense"; with
-    "random" before it under load_format dummy."""
-    fmt = checkpoint_format(read_quantization_config(model_dir))
+    checkpoint's FP8 format (e.g. "fp8-block128x128", "fp8-channel (modelopt)"), "<format> (quantized at load)",
+    or "dense"; with "random" before it under load_format dummy."""
+    qc = read_quantization_config(model_dir)
+    fmt = checkpoint_format(qc)
     if fmt is not None:
-        text = fmt.describe()
+        text = fmt.describe() + (" (modelopt)" if str(qc.get("quant_method", "")).lower() == "modelopt" else "")
     elif config.quantization == "fp8":
         text = f"{BLOCK.describe()} (quantized at load)"
     else:
@@ -274,13 +367,22 @@ def describe_weights(model_dir: str | Path, config: Any) -> str:
     return f"random {text}" if config.load_format == "dummy" else text
 
 
-_KV_SCALE = re.compile(r"\.self_attn\.(k_scale|v_scale)$")
+# `<attention>.k_scale` (vLLM's, compressed-tensors') or ModelOpt's `<attention>.k_proj.k_scale`; the attention is
+# `self_attn` (Qwen, Granite) or Nemotron-H's `mixer`
+_KV_SCALE = re.compile(r"\.(self_attn|mixer)(\.k_proj)?\.k_scale$|\.(self_attn|mixer)(\.v_proj)?\.v_scale$")
 _QUERY_SCALE = re.compile(r"\.self_attn\.q_(scale|zero_point)$")
+_MODELOPT_KV_HOP = re.compile(r"\.(k_proj\.k|v_proj\.v)_scale$")
 
 
 def is_kv_scale(checkpoint_name: str) -> bool:
-    """A per-layer FP8 KV scale tensor (`...self_attn.k_scale` / `v_scale`, vLLM's and compressed-tensors' names)."""
+    """A per-layer FP8 KV scale tensor (`...self_attn.k_scale` / `v_scale`, vLLM's and compressed-tensors' names;
+    ModelOpt's `...k_proj.k_scale` / `...v_proj.v_scale`; Nemotron-H's attention is its layer's `mixer`)."""
     return bool(_KV_SCALE.search(checkpoint_name))
+
+
+def kv_scale_name(checkpoint_name: str) -> str:
+    """A KV scale's name on its attention layer: ModelOpt's `X.k_proj.k_scale` -> `X.k_scale` (others as they are)."""
+    return _MODELOPT_KV_HOP.sub(lambda match: f".{match.group(1)[-1]}_scale", checkpoint_name)
 
 
 def is_query_scale(checkpoint_name: str) -> bool:

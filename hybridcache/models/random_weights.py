@@ -21,7 +21,7 @@ from hybridcache.layers.linear import Fp8Linear
 #   *.A_log                    log(uniform(0.05, 1.0))   decay rates: slow and fast heads
 #   *.dt_bias                  uniform(-1, 1)
 #   *linear_attn.norm.weight   1 + N(0, 0.1)             gated RMSNorm, centred on 1
-#   the weight of a module whose class says `centred_on_one` (Granite's and Mamba2's norms)
+#   the weight of a module whose class says `centred_on_one` (the Mamba hybrids' norms, Jamba's dt / B / C norms)
 #                              1 + N(0, 0.1)
 #   other 1-D *norm*.weight    N(0, 0.1)                 zero-centred RMSNorm (scale 1 + w)
 #   *embed_tokens.weight       N(0, 1)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from hybridcache.models.bamba import BambaForCausalLM
+from hybridcache.models.falcon_h1 import FalconH1ForCausalLM
 from hybridcache.models.granite import GraniteMoeHybridForCausalLM
 from hybridcache.models.hybrid_lm import HybridCausalLM
+from hybridcache.models.jamba import JambaForCausalLM
 from hybridcache.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from hybridcache.models.nemotron_h import NemotronHForCausalLM
 from hybridcache.models.olmo_hybrid import OlmoHybridForCausalLM
@@ -24,6 +27,9 @@ def _model_classes() -> dict[str, type[HybridCausalLM]]:
         "OlmoHybridForCausalLM": OlmoHybridForCausalLM,  # OLMo Hybrid (gated DeltaNet and attention layers)
         "Lfm2ForCausalLM": Lfm2ForCausalLM,  # LFM2 (gated short-convolution and attention layers)
         "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,  # LFM2-MoE (LFM2's layers, MoE blocks past the first dense ones)
+        "BambaForCausalLM": BambaForCausalLM,  # Bamba (Mamba2 and attention layers)
+        "FalconH1ForCausalLM": FalconH1ForCausalLM,  # Falcon-H1 (attention and Mamba2 side by side in every layer)
+        "JambaForCausalLM": JambaForCausalLM,  # Jamba (Mamba1 and attention layers, dense and MoE)
     }
 
 

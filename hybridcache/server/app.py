@@ -60,7 +60,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hybridcache.engine.engine import EngineDeadError, freeze_gc_heap
 from hybridcache.generation_config import SamplingDefaults
-from hybridcache.guided import GrammarCache
+from hybridcache.guided import GrammarCache, GuidedKind
 from hybridcache.images import MediaLimits
 from hybridcache.mm_processor import split_chat_images
 from hybridcache.outputs import RequestOutput
@@ -105,6 +105,7 @@ from hybridcache.server.shutdown_guard import SHUTDOWN_MESSAGE, ShutdownGuard
 from hybridcache.server.stream_events import UsageMode, stream_events
 from hybridcache.server.streaming import EventStreamResponse
 from hybridcache.server.tokenize_api import add_tokenize_routes
+from hybridcache.server.tool_parsers import NEMOTRON_PARSER
 
 logger = logging.getLogger("hybridcache.server")
 T = TypeVar("T")
@@ -400,6 +401,9 @@ class _Routes:
         split_reasoning = self.config.reasoning_parser is not None
         in_reasoning = chat_prompt.in_reasoning
         guided = body.guided()
+        nemotron_tools = self.config.tool_call_parser == NEMOTRON_PARSER
+        if guided is not None and guided.kind is GuidedKind.TOOL_CALLS and nemotron_tools:
+            guided = replace(guided, tool_format="nemotron")  # a forced call in the model's own format
         if guided is not None and split_reasoning and in_reasoning:  # as vLLM: the answer is constrained, not the
             guided = replace(guided, starts_after=reasoning.THINK_END)  # reasoning before it
         params = body.sampling_params(max_tokens, guided, defaults)

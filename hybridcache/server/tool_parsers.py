@@ -49,8 +49,8 @@ Nemotron-Nano-9B-v2 format is read too: one `<TOOLCALL>` block holding a JSON li
 
 A body without its `[` or `]` is read as if it had them, as NVIDIA's parser reads it; a body that is not a list of
 calls (each an object with a string `name`) stays text, and so does an empty list. The Qwen blocks are still read
-with this parser: a forced call (`tool_choice` "required" or named) is written in Qwen3's JSON format
-(`guided.GuidedSpec.tool_calls`).
+with this parser; a forced call (`tool_choice` "required" or named) is written as such a `<TOOLCALL>` list
+(`guided.GuidedSpec.tool_calls`, `tool_format` "nemotron").
 
 `parse_tool_calls` reads a whole text; `ToolCallStream` feeds a streaming text, emitting content up to where a
 block may start and each call once its block is closed (a closing tag that does not make the block whole is

@@ -1,10 +1,12 @@
 """The engine checks every hybrid family's test file runs on its own `model_dir` fixture (a tiny random folder from
 `write_tiny_folder`): cached == uncached on the randomized workload, hits at non-block-aligned divergence steps,
 `LLM.generate` with and without the prefix cache, the piecewise prefill split, cached == uncached on CUDA, and the
-refusal of the options that do not apply to a family without MTP, FP8, images or tensor parallelism. A test file
-imports them by name (pytest collects them there, with that file's `model_dir`): test_granite_engine.py,
-test_nemotron_h_engine.py, test_olmo_hybrid_engine.py. A new recurrent family needs no change of the cache for them to
-pass. (Written for the Mamba2 hybrids first, hence the file's name.)"""
+refusal of the options that do not apply to the family (MTP, images; FP8 where the model class does not declare it,
+tensor parallelism where it runs on one rank). A test file imports them by name (pytest collects them there, with
+that file's `model_dir`): test_granite_engine.py, test_nemotron_h_engine.py, test_bamba_engine.py,
+test_falcon_h1_engine.py (Mamba2), test_jamba_engine.py (Mamba1), test_olmo_hybrid_engine.py (gated DeltaNet),
+test_lfm2_engine.py (short convolution). A new recurrent family needs no change of the cache for them to pass.
+(Written for the Mamba2 hybrids first, hence the file's name.)"""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import torch
 from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.llm import LLM
+from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.models.builtin import build_byte_tokenizer
+from hybridcache.models.mtp import OTHER_MTP_MODEL_TYPES
 from hybridcache.sampling import SamplingParams
 
 from .markers import needs_cuda_engine
@@ -48,7 +52,7 @@ def test_cached_run_equals_uncached_run(model_dir):
 
 def test_shared_prefixes_of_unaligned_lengths_hit_at_the_divergence_step(model_dir):
     """Prompts sharing a 133-token prefix (16-token blocks; past the step where a branch point is worth its state,
-    `CacheConfig.min_branch_point_step`, which the Mamba2 state sets here): the third hits exactly at 133, a
+    `CacheConfig.min_branch_point_step`, which the recurrent state sets here): the third hits exactly at 133, a
     partial block past its anchor, saved when the second diverged there; a multi-turn follow-up hits at the
     previous turn's last fed token. Greedy tokens equal an uncached engine's."""
     engine, reference = make_engine(model_dir), make_engine(model_dir, caching=False)
@@ -85,9 +89,10 @@ def test_llm_generate_with_and_without_the_prefix_cache(model_dir):
     assert hits[True][0] == 0 and sum(hits[True]) > 0 and hits[False] == [0, 0, 0]
 
 def test_split_forward_equals_unsplit_on_cpu(model_dir):
-    """Piecewise prefill graphs cut the forward at its cores (the Mamba2 conv + scan, the attention; a Nemotron-H
-    MLP layer has none) like Qwen's: the split forward (pieces on a bucket's padded rows, cores eagerly) equals the
-    unsplit one, logits and every pool, bit for bit where no row is padding (as `test_prefill_graphs`)."""
+    """Piecewise prefill graphs cut the forward at its cores (the Mamba2 conv + scan, Mamba1's conv and its scan, the
+    attention; a Nemotron-H MLP layer has none) like Qwen's: the split forward (pieces on a bucket's padded rows,
+    cores eagerly) equals the unsplit one, logits and every pool, bit for bit where no row is padding (as
+    `test_prefill_graphs`)."""
     from hybridcache.engine.prefill_graphs import PrefillGraphs
 
     device = torch.device("cpu")
@@ -106,21 +111,28 @@ def test_split_forward_equals_unsplit_on_cpu(model_dir):
 
 @needs_cuda_engine
 def test_cuda_fp32_cached_run_equals_uncached_run(model_dir):
-    """On CUDA (the Mamba2 scan on fla's kernels, the conv and attention on theirs) the cached run still equals
-    the uncached one."""
+    """On CUDA (the Mamba2 scan on fla's kernels, Mamba1's on the torch reference, the conv and attention on theirs)
+    the cached run still equals the uncached one."""
     uncached, cached = make_engine(model_dir, caching=False, **CUDA_FP32), make_engine(model_dir, **CUDA_FP32)
     assert_same(cached, uncached, run_workload(cached, check_every_step=True), run_workload(uncached))
 
 
 def test_options_that_do_not_apply_are_clear_errors(model_dir):
-    """MTP, FP8 weights or KV and tensor parallelism are refused naming the reason (before any worker starts), and an
-    image is refused by the running engine."""
-    for options, message in (
-        ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}, "mtp|MTP"),
-        ({"quantization": "fp8"}, "does not support FP8 weights"),
-        ({"kv_cache_dtype": "fp8"}, "does not support an FP8 KV cache"),
-        ({"tensor_parallel_size": 2}, "does not run under tensor parallelism"),
-    ):
+    """Refused naming the architecture, before any worker starts: speculative 'mtp' (these families have no Qwen MTP
+    head: `mtp.check_mtp_model_type`), FP8 weights and KV where the model class does not declare them
+    (`supports_fp8`), tensor parallelism where it runs on one rank (`single_rank_reason`); an image is refused by the
+    running engine."""
+    config = ModelConfig.from_model_dir(model_dir)
+    arch, model_cls = config.architecture, get_model_class(config.architecture)
+    mtp = (f"'mtp' is not supported for {arch}" if config.model_type in OTHER_MTP_MODEL_TYPES
+           else f"'mtp' needs a model with MTP layers; {arch} has none")
+    refused = [({"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}, mtp)]
+    if not model_cls.supports_fp8:
+        refused += [({"quantization": "fp8"}, f"{arch} does not support FP8 weights"),
+                    ({"kv_cache_dtype": "fp8"}, f"{arch} does not support an FP8 KV cache")]
+    if model_cls.single_rank_reason is not None:
+        refused.append(({"tensor_parallel_size": 2}, f"{arch} does not run under tensor parallelism"))
+    for options, message in refused:
         with pytest.raises(ValueError, match=message):
             LLMEngine(model_dir, EngineConfig(**options))
     from PIL import Image

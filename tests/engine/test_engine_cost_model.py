@@ -16,8 +16,12 @@ from hybridcache.engine.cost_model import ModelCost
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.engine.memory import pool_bytes, state_pages
 from hybridcache.models import ModelConfig, get_model_class
+from hybridcache.models.config import LayerKind
 from hybridcache.state_spec import AttentionSpec, RecurrentSpec
+from tests.models.bamba_helpers import bamba_model
+from tests.models.falcon_h1_helpers import falcon_model
 from tests.models.granite_helpers import granite_model
+from tests.models.jamba_helpers import jamba_model
 from tests.models.lfm2_helpers import lfm2_model
 from tests.models.nemotron_helpers import nemotron_model
 from tests.models.olmo_hybrid_helpers import olmo_model
@@ -72,31 +76,49 @@ def spec_bytes(tensors) -> int:
     return sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)
 
 
-_FAMILIES = {"granite": granite_model, "nemotron": nemotron_model, "olmo": olmo_model, "lfm2": lfm2_model}
+HYBRID_FAMILIES = {"granite": granite_model, "nemotron": nemotron_model, "bamba": bamba_model,
+                   "falcon": falcon_model, "jamba": jamba_model, "olmo": olmo_model, "lfm2": lfm2_model}
+# (family, variant) -> its recurrent layers (Mamba2; Jamba's: Mamba1; OLMo Hybrid's: gated DeltaNet; LFM2's: short
+# convolutions)
+HYBRID_VARIANTS = {("granite", "dense-rope"): 3, ("granite", "moe-nope"): 3, ("nemotron", "groups2"): 2,
+                   ("nemotron", "pattern-bias"): 3, ("nemotron", "moe-groups"): 2, ("nemotron", "moe-latent"): 2,
+                   ("bamba", "groups2"): 3, ("bamba", "bias-rope"): 4, ("falcon", "norm-first"): 3,
+                   ("falcon", "gate-first"): 3, ("falcon", "no-norm"): 3, ("jamba", "dense"): 4, ("jamba", "moe"): 4,
+                   ("olmo", "nope-gva"): 3, ("olmo", "rope-bias"): 3, ("lfm2", "bias-k3"): 3, ("lfm2", "idxs-k4"): 3,
+                   ("lfm2", "moe-norm"): 3, ("lfm2", "moe-raw"): 3}
 
 
-@pytest.mark.parametrize("family, variant", [("granite", "dense-rope"), ("granite", "moe-nope"),
-                                             ("nemotron", "groups2"), ("nemotron", "pattern-bias"),
-                                             ("nemotron", "moe-groups"), ("nemotron", "moe-latent"),
-                                             ("olmo", "nope-gva"), ("olmo", "rope-bias"), ("lfm2", "bias-k3"),
-                                             ("lfm2", "idxs-k4"), ("lfm2", "moe-norm"), ("lfm2", "moe-raw")])
+def _family_recurrent_ids(config: ModelConfig, family: str) -> tuple[int, ...]:
+    """The layers of the family's own recurrent kind."""
+    if family == "jamba":
+        return config.mamba1_layer_ids
+    if family == "olmo":
+        return config.linear_layer_ids
+    if family == "lfm2":
+        return tuple(i for i, kind in enumerate(config.layer_types) if kind is LayerKind.SHORT_CONV)
+    return config.mamba2_layer_ids
+
+
+@pytest.mark.parametrize("family, variant", list(HYBRID_VARIANTS))
 def test_hybrid_costs_count_their_recurrent_layers(family, variant):
-    """A Granite-4.0-H, Nemotron-H or OLMo Hybrid model's cost: its state bytes are its recurrent layers' state specs
-    (Mamba2 layers were counted as DeltaNet layers with Qwen's default sizes; Nemotron-H's stateless MLP layers as
-    DeltaNet layers too), its FLOPs per token twice its active matmul parameters (Nemotron-H: ungated attention,
-    relu^2 MLP layers of two matrices, no feed-forward block after its mixers; its MoE layers: the router, top-k
-    ungated experts of two matrices, the ungated shared expert, the latent projections; OLMo Hybrid: ungated
-    attention, DeltaNet layers of six projections; LFM2: ungated attention, short convs of in_proj, taps and out_proj,
-    a tied lm_head) plus the recurrent updates' (Mamba2 scans, the delta rule; none for a short conv)."""
-    hf = _FAMILIES[family](variant)
+    """A Granite-4.0-H, Nemotron-H, Bamba, Falcon-H1, Jamba, OLMo Hybrid or LFM2 model's cost: its state bytes are its
+    recurrent layers' state specs (Mamba layers were counted as DeltaNet layers with Qwen's default sizes; Nemotron-H's
+    stateless MLP layers as DeltaNet layers too), its KV bytes its attention layers' (a Falcon-H1 layer has both, and
+    an MLP), its FLOPs per token twice its active matmul parameters (ungated attention; Nemotron-H: relu^2 MLP layers
+    of two matrices, no feed-forward block after its mixers; its MoE layers: the router, top-k ungated experts of two
+    matrices, the ungated shared expert, the latent projections; Jamba: MoE blocks without a shared expert, Mamba1's
+    x_proj and dt_proj; OLMo Hybrid: DeltaNet layers of six projections; LFM2: short convs of in_proj, taps and
+    out_proj, a tied lm_head) plus the recurrent updates' (Mamba2 and Mamba1 scans, the delta rule; none for a short
+    conv; Mamba1's A_log [I, N] is no matmul)."""
+    hf = HYBRID_FAMILIES[family](variant)
     config = ModelConfig.from_dict(hf.config.to_dict())
     model = get_model_class(config.architecture)(config)
     cost = ModelCost.from_config(config, ssm_dtype="bfloat16")
 
     specs = model.state_specs(torch.float32, torch.bfloat16)
     recurrent = [spec for spec in specs if isinstance(spec, RecurrentSpec) and spec.tensors]
-    assert len(recurrent) == len(config.recurrent_layer_ids) == {"groups2": 2, "moe-groups": 2, "moe-latent": 2}.get(
-        variant, 3)
+    family_ids = _family_recurrent_ids(config, family)
+    assert len(recurrent) == len(config.recurrent_layer_ids) == len(family_ids) == HYBRID_VARIANTS[family, variant]
     assert all(len(spec.tensors) == (1 if family == "lfm2" else 2) for spec in recurrent)
     hidden = spec_bytes(model.slot_specs(torch.float32))
     assert cost.state_bytes == sum(spec_bytes(s.tensors) for s in recurrent) + hidden
@@ -104,12 +126,16 @@ def test_hybrid_costs_count_their_recurrent_layers(family, variant):
     assert cost.kv_bytes_per_token == sum(2 * s.num_kv_heads * s.head_dim * 4 for s in kv)
 
     mlp, delta = config.mlp, config.gated_delta
-    matmuls = sum(p.numel() for name, p in model.named_parameters()
-                  if p.ndim >= 2 and "embed_tokens" not in name and ".experts." not in name)  # (routed experts)
-    matmuls += model.lm_head.weight.numel() if config.tie_word_embeddings else 0  # (named as the embedding)
+    matmuls = sum(p.numel() for name, p in model.named_parameters(remove_duplicate=False)  # (a tied lm_head too)
+                  if p.ndim >= 2 and "embed_tokens" not in name and ".experts." not in name  # (routed experts)
+                  and not name.endswith("A_log"))
     # only the top-k experts' weights are read per token: each MoE layer's expert 0 counted top-k times
     matmuls += mlp.num_experts_per_tok * sum(p.numel() for name, p in model.named_parameters() if ".experts.0." in name)
-    m = config.mamba2
-    scans = len(config.mamba2_layer_ids) * 6 * m.num_heads * m.head_dim * m.state_size if m else 0
+    if family == "jamba":
+        assert config.mamba2 is None and config.mamba1_layer_ids
+        scans = len(config.mamba1_layer_ids) * 6 * config.mamba1.intermediate_size * config.mamba1.state_size
+    else:
+        m = config.mamba2
+        scans = len(config.mamba2_layer_ids) * 6 * m.num_heads * m.head_dim * m.state_size if m else 0
     scans += len(config.linear_layer_ids) * 6 * delta.num_v_heads * delta.k_head_dim * delta.v_head_dim
     assert cost.flops_per_token == 2 * matmuls + scans

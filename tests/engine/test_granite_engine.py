@@ -1,6 +1,7 @@
 """Granite-4.0-H (Mamba2 + attention) through the engine: prefix caching needs no change for a new recurrent family
 (its conv and ssm state join the slot like DeltaNet's), so cached and uncached runs compute the same thing, and the
-cache hits at non-block-aligned steps; options that do not apply to it (MTP, FP8, images) are clear errors."""
+cache hits at non-block-aligned steps; options that do not apply to it (MTP, images, TP) are clear errors (FP8:
+test_fp8_mamba2_hybrids_engine.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Nemotron-H (Mamba2, attention and stateless MLP layers) through the engine: its MLP layers hold no state (an
 empty spec), so the pools, the checkpoints and the prefix cache need no change; cached and uncached runs compute
-the same thing, the cache hits at non-block-aligned steps; options that do not apply to it (MTP, FP8, images, TP)
-are clear errors."""
+the same thing, the cache hits at non-block-aligned steps; options that do not apply to it (MTP, images, TP)
+are clear errors (FP8: test_fp8_mamba2_hybrids_engine.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The Mamba2 mixer (`layers/mamba2.py`) and its scan (`kernels/mamba2/reference.py`) against transformers' torch path
 (`GraniteMoeHybridMambaLayer`, `mamba2_chunk_scan`, `mamba2_selective_state_update`) on random weights (std
-1/sqrt(fan_in)), fp32.
+1/sqrt(fan_in)), fp32; and Falcon-H1's variant of it (`FalconH1Mixer`: its muP vector on in_proj's output, the gated
+norm before or after the gate or none at all, out_proj's own bias).
 
 rel_err(a, ref) = max|a - ref| / max|ref|. Several sequences of different lengths run in one varlen step, from slots
 that hold garbage (a fresh sequence must not read its row); state continuation: prefill A, then B from A's state,
@@ -12,13 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
-from hybridcache.kernels.backend import ReferenceBackend
 from hybridcache.kernels.mamba2 import reference as ref
 from hybridcache.layers.mamba2 import Mamba2Mixer
-from hybridcache.layers.step import StepContext
 from hybridcache.models.random_weights import randomize_
-from hybridcache.state_spec import DevicePools
+from tests.kernels.mixer_runner import MixerRunner
 
 TOLERANCE = 1e-4
 HIDDEN = 48
@@ -47,46 +45,54 @@ def hf_layer(heads: int, head_dim: int, groups: int, state: int, kernel: int, se
     return config, layer
 
 
+# Falcon-H1's mixer: the norm (mamba_rms_norm, mamba_norm_before_gate), biases (mamba_proj_bias: in_proj,
+# projectors_bias: out_proj); heads x head dim = mamba_d_ssm (96 or 72, not 2 x HIDDEN); its five ssm_multipliers
+# away from 1 (the layer applies ssm_in_multiplier, tests/models/test_falcon_h1.py)
+FALCON_MIXERS = {
+    "falcon-norm-first": {"mamba_rms_norm": True, "mamba_norm_before_gate": True, "mamba_n_heads": 8,
+                          "mamba_d_ssm": 96, "mamba_n_groups": 2, "projectors_bias": True},
+    "falcon-gate-first": {"mamba_rms_norm": True, "mamba_norm_before_gate": False, "mamba_n_heads": 6,
+                          "mamba_d_ssm": 72, "mamba_n_groups": 3, "mamba_proj_bias": True},
+    "falcon-no-norm": {"mamba_rms_norm": False, "mamba_n_heads": 8, "mamba_d_ssm": 96, "mamba_n_groups": 1,
+                       "mamba_conv_bias": False},
+}
+SSM_MULTIPLIERS = [0.5, 1.7, 0.3, 2.2, 0.6]  # z, x, B, C, dt
+
+
+def falcon_layer(variant: str, seed: int = 0):
+    import transformers
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer, compute_mup_vector
+
+    config = transformers.FalconH1Config(
+        hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4, mamba_d_state=16, mamba_d_conv=4,
+        mamba_chunk_size=32, rms_norm_eps=1e-5, ssm_multipliers=SSM_MULTIPLIERS, **FALCON_MIXERS[variant])
+    layer = FalconH1Mixer(config, 0).eval()
+    layer.register_buffer("mup_vector", compute_mup_vector(config), persistent=False)  # (FalconH1Model's doing)
+    randomize_(layer, seed)
+    if config.mamba_rms_norm:
+        with torch.no_grad():
+            layer.norm.weight.copy_(1 + 0.1 * torch.randn(layer.norm.weight.shape))
+    return config, layer
+
+
 def our_mixer(config, layer) -> Mamba2Mixer:
+    falcon = {} if config.model_type != "falcon_h1" else {
+        "rms_norm": config.mamba_rms_norm, "norm_before_gate": config.mamba_norm_before_gate,
+        "out_proj_bias": config.projectors_bias, "in_multipliers": tuple(config.ssm_multipliers)}
     mixer = Mamba2Mixer(
         HIDDEN, num_heads=config.mamba_n_heads, head_dim=config.mamba_d_head, num_groups=config.mamba_n_groups,
         state_size=config.mamba_d_state, conv_kernel_size=config.mamba_d_conv, conv_bias=config.mamba_conv_bias,
-        proj_bias=config.mamba_proj_bias, eps=config.rms_norm_eps)
+        proj_bias=config.mamba_proj_bias, eps=config.rms_norm_eps, **falcon)
     mixer.load_state_dict(layer.state_dict())
     return mixer.eval().requires_grad_(False)
 
 
-class MixerRunner:
-    """Feeds a recurrent mixer (Mamba2, OLMo Hybrid's DeltaNet: `test_olmo_deltanet_mixer.py`) varlen steps the way the
-    engine does: each sequence its own state slot (garbage at first)."""
-
-    def __init__(self, mixer: torch.nn.Module, num_seqs: int) -> None:
-        self.mixer = mixer
-        self.backend = ReferenceBackend()
-        self.pools = DevicePools.allocate([mixer.state_spec(torch.float32, torch.float32)], num_pages=1,
-                                          kernel_block_size=16, num_slots=num_seqs + 2)
-        generator = torch.Generator().manual_seed(7)
-        for pool in self.pools.state_groups:
-            pool.copy_(torch.randn(pool.shape, generator=generator))
-        self.fed = [0] * num_seqs
-
-    def step(self, feeds: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
-        """(seq, hidden [n, HIDDEN]) pairs in one step -> each feed's output [n, HIDDEN]."""
-        chunks = []
-        for seq, hidden in feeds:
-            chunks.append(SeqChunk([0] * hidden.shape[0], self.fed[seq], [0] * 64, seq + 1))
-            self.fed[seq] += hidden.shape[0]
-        batch = self.backend.prepare(build_forward_batch(chunks, block_size=16, kernel_block_size=16))
-        step = StepContext(batch=batch, backend=self.backend, rope=(torch.empty(0), torch.empty(0)))
-        with torch.inference_mode():
-            out = self.mixer(torch.cat([hidden for _, hidden in feeds]), step, self.pools.layers[0])
-        bounds = batch.cu_seqlens.tolist()
-        return [out[bounds[i] : bounds[i + 1]] for i in range(len(feeds))]
-
-
-@pytest.fixture(scope="module", params=list(GEOMETRIES), ids=list(GEOMETRIES))
+@pytest.fixture(scope="module", params=[*GEOMETRIES, *FALCON_MIXERS])
 def pair(request):
-    config, layer = hf_layer(*GEOMETRIES[request.param])
+    if request.param in FALCON_MIXERS:
+        config, layer = falcon_layer(request.param)
+    else:
+        config, layer = hf_layer(*GEOMETRIES[request.param])
     return layer, our_mixer(config, layer)
 
 
@@ -176,6 +182,39 @@ def test_chunk_scan_equals_transformers_scan_and_the_step_form(limit):
     assert rel_err(y, want_y[0]) <= TOLERANCE and rel_err(final, want_final[0]) <= TOLERANCE
     steps_y, states = ref.ssd_states_after(x, dt, A, B, C, D, initial)
     assert rel_err(steps_y, y) <= TOLERANCE and rel_err(states[-1], final) <= TOLERANCE
+
+
+def test_falcon_mixer_without_its_mup_vector_would_fail():
+    """The muP vector matters: the same mixer without `in_multipliers` (or without the norm order, or with a norm it
+    does not have) is far from transformers' FalconH1Mixer, so the tests above check them."""
+    config, layer = falcon_layer("falcon-norm-first")
+    x = inputs(120, seed=9)
+    want = hf_out(layer, x)
+    assert rel_err(MixerRunner(our_mixer(config, layer), 1).step([(0, x)])[0], want) <= TOLERANCE
+    for wrong in ({"ssm_multipliers": [1.0] * 5}, {"mamba_norm_before_gate": False}):
+        mixer = our_mixer(transformers_config(config, **wrong), layer)
+        assert rel_err(MixerRunner(mixer, 1).step([(0, x)])[0], want) > 100 * TOLERANCE, wrong
+
+
+def transformers_config(config, **changes):
+    import transformers
+
+    return transformers.FalconH1Config(**{**config.to_dict(), **changes})
+
+
+def test_gated_norm_after_the_norm_is_falcons():
+    """`norm_before_gate`: weight * group_norm(x) * silu(gate), transformers' FalconH1RMSNormGated's default."""
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1RMSNormGated
+
+    g = torch.Generator().manual_seed(2)
+    x, gate = torch.randn(5, 24, generator=g), torch.randn(5, 24, generator=g)
+    for before in (True, False):
+        norm = FalconH1RMSNormGated(24, eps=1e-5, n_groups=3, norm_before_gate=before)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(24, generator=g))
+            want = norm(x, gate)
+        ours = ref.gated_group_rms_norm(x, gate, norm.weight, 1e-5, 8, norm_before_gate=before)
+        assert rel_err(ours, want) <= 1e-6, before
 
 
 def test_gated_norm_puts_the_gate_before_a_per_group_norm():

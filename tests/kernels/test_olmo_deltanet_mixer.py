@@ -14,7 +14,8 @@ import torch
 from hybridcache.layers.gated_deltanet import SeparateGatedDeltaNet
 from hybridcache.models.random_weights import randomize_
 
-from .test_mamba2_mixer import MixerRunner, rel_err
+from .mixer_runner import MixerRunner
+from .test_mamba2_mixer import rel_err
 
 TOLERANCE = 1e-4
 HIDDEN = 48

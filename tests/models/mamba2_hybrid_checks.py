@@ -2,7 +2,8 @@
 tests/models/helpers.py): single and chunked prefill, decode against the full and the incremental forward, a mixed
 batch, and that the comparison notices a lost recurrent state (every state tensor of every recurrent layer zeroed).
 A test file imports them by name (pytest collects them there, with that file's `pair`): test_granite.py,
-test_nemotron_h.py, test_olmo_hybrid.py. (Written for the Mamba2 hybrids first, hence the file's name.)
+test_nemotron_h.py, test_bamba.py, test_falcon_h1.py (Mamba2), test_jamba.py (Mamba1), test_olmo_hybrid.py (gated
+DeltaNet), test_lfm2.py (short convolution). (Written for the Mamba2 hybrids first, hence the file's name.)
 
 Every comparison: rel_err = max|ours - hf| / max|hf| <= 1e-4, with hf = transformers' full forward over the whole
 sequence (explicit position_ids), read at the positions our step computed.
@@ -69,8 +70,14 @@ def test_the_comparison_notices_a_lost_recurrent_state(pair):
     ref = pair.hf_logits(tokens)
     runner = PagedRunner(pair.ours, 16, 8)
     runner.step([(0, tokens[:100])])
-    for layer_id in pair.ours.config.recurrent_layer_ids:
-        for state in runner.pools.layers[layer_id].values():
-            state.zero_()
+    k, recurrent = pair.ours.states_per_layer, pair.ours.config.recurrent_layer_ids
+    # (every recurrent state is a recurrent layer's, a mapping of its tensors: Nemotron-H's MLP layers hold an empty
+    # one; Falcon-H1: decoder layer i holds state layers 2i, its KV, and 2i + 1)
+    assert sum(isinstance(state, dict) and bool(state) for state in runner.pools.layers) == len(recurrent)
+    for layer_id in recurrent:
+        (state,) = [state for state in runner.pools.layers[k * layer_id : k * (layer_id + 1)]
+                    if isinstance(state, dict) and state]
+        for tensor in state.values():
+            tensor.zero_()
     (ours,) = runner.step([(0, tokens[100:])])
     assert rel_err(ours, ref[100:]) > 100 * TOLERANCE

@@ -84,14 +84,12 @@ def test_qwen_configs_do_not_accept_mamba_layers():
         ModelConfig.from_dict(raw)
 
 
-def test_tensor_parallelism_and_fp8_are_refused_with_a_clear_error(tmp_path):
+def test_tensor_parallelism_is_refused_with_a_clear_error(tmp_path):
+    """(FP8 weights and KV are served: tests/models/test_fp8_mamba2_hybrids.py.)"""
     config = ModelConfig.from_dict(granite_config("dense-rope").to_dict())
     with pytest.raises(ValueError, match="tensor parallelism"):
         get_model_class(config.architecture)(config, TensorParallel(rank=0, size=2))
     granite_model("dense-rope").save_pretrained(tmp_path)
-    for options, message in (({"quantization": "fp8"}, "FP8 weights"), ({"kv_fp8": True}, "an FP8 KV cache")):
-        with pytest.raises(ValueError, match=f"GraniteMoeHybridForCausalLM does not support {message}"):
-            load_model(tmp_path, **options)
     model = load_model(tmp_path)  # and the folder itself loads, under its checkpoint's tensor names
     assert type(model).__name__ == "GraniteMoeHybridForCausalLM"
 

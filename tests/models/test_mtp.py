@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.kernels.backend import ReferenceBackend
-from hybridcache.models import load_model
-from hybridcache.models.mtp import MTP_FILE, check_mtp_head, load_mtp_head
+from hybridcache.models import ModelConfig, load_model
+from hybridcache.models.mtp import MTP_FILE, check_mtp_head, check_mtp_model_type, load_mtp_head
 from hybridcache.state_spec import DevicePools
 from tests.engine.model_folders import write_tiny_model
 
@@ -216,3 +217,39 @@ def test_checkpoint_kv_scales_reach_the_target_and_the_head_with_fp8_kv(tmp_path
         assert (layer.kv_dtype, layer.k_scale, layer.v_scale) == (torch.float8_e4m3fn, *want)
     plain = load_mtp_head(folder, load_model(folder), dtype=torch.float32, device="cpu")
     assert dict(plain.named_modules())[head_attention].kv_dtype is None
+
+
+def _family_config(family: str) -> ModelConfig:
+    from tests.models.bamba_helpers import bamba_config
+    from tests.models.falcon_h1_helpers import falcon_config
+    from tests.models.granite_helpers import granite_config
+    from tests.models.jamba_helpers import jamba_config
+    from tests.models.nemotron_helpers import nemotron_config
+
+    make, variant = {"granite": (granite_config, "dense-rope"), "bamba": (bamba_config, "groups2"),
+                     "falcon": (falcon_config, "norm-first"), "jamba": (jamba_config, "dense"),
+                     "nemotron": (nemotron_config, "groups2")}[family]
+    return ModelConfig.from_dict(make(variant).to_dict())
+
+
+@pytest.mark.parametrize("family", ["granite", "bamba", "falcon", "jamba"])
+def test_mtp_on_a_model_without_mtp_layers_says_it_has_none(family):
+    """Granite-4.0-H, Bamba, Falcon-H1 and Jamba have no MTP layers: speculative 'mtp' is refused saying so (it said
+    the head was 'not the MTP layers of model_type 'jamba'', as if the model had some of another design)."""
+    config = _family_config(family)
+    message = f"speculative method 'mtp' needs a model with MTP layers; {config.architecture} has none"
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        check_mtp_model_type(config)
+    assert "not the MTP layers" not in str(refused.value)
+
+
+def test_mtp_on_a_model_with_other_mtp_layers_names_the_design():
+    """Nemotron 3's MTP layers are not the Qwen head this engine drafts with: the refusal says that, not 'has none';
+    the Qwen model types pass."""
+    config = _family_config("nemotron")
+    with pytest.raises(ValueError, match=re.escape("'mtp' is not supported for NemotronHForCausalLM: this head is "
+                                                   "Qwen3.5's / Qwen3-Next's")) as refused:
+        check_mtp_model_type(config)
+    assert "not the MTP layers of model_type 'nemotron_h'" in str(refused.value)
+    for model_type in MODEL_TYPES:
+        assert check_mtp_model_type(replace(config, model_type=model_type)) is None

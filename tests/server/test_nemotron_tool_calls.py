@@ -14,10 +14,11 @@ import pytest
 from openai import OpenAI
 
 from hybridcache.cli import build_parser
-from hybridcache.models.builtin import BUILTIN_NAME
+from hybridcache.models.builtin import BUILTIN_NAME, ensure_builtin_model
 from hybridcache.server.chat_output import ChatOutputOptions, ChoiceStream, final_message
 from hybridcache.server.cli import server_config
 from hybridcache.server.tool_parsers import ToolCallStream, parse_tool_calls
+from hybridcache.tokenizer import Tokenizer
 
 from .inprocess_server import serving
 
@@ -111,7 +112,7 @@ def test_a_broken_block_then_a_good_one():
 
 
 def test_qwen_blocks_are_still_read_with_nemotron_json():
-    """A forced call (tool_choice "required" or named) is written in Qwen3's JSON format: the parser reads it."""
+    """Qwen3's blocks (what a forced call was written in before) are still read with nemotron_json."""
     text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'
     assert _calls(parse_tool_calls(text, TOOLS, NEMOTRON)) == CALLS[1:]
 
@@ -200,13 +201,29 @@ def test_chat_completions_parse_the_block_whole_and_streamed(nemotron_server):
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == CALLS and all(c["id"] for c in calls)
 
 
-def test_a_forced_call_is_still_a_qwen_block_the_parser_reads(nemotron_server):
-    _, client = nemotron_server
-    response = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "time?"}], tools=TOOLS, max_tokens=120, temperature=0,
-        tool_choice={"type": "function", "function": {"name": "get_time"}})
-    (call,) = response.choices[0].message.tool_calls
-    assert call.function.name == "get_time" and isinstance(json.loads(call.function.arguments), dict)
+# tools whose arguments end quickly (a random model's free strings may run past max_tokens)
+CLOSED = [{"type": "function", "function": {"name": name, "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+    "additionalProperties": False}}} for name in ("get_temperature", "get_time")]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_forced_call_is_written_in_nemotrons_own_format(nemotron_server, tool_choice):
+    """A forced call (tool_choice "required" or named) is written as the model writes calls, one `<TOOLCALL>` list
+    (it was Qwen3's `<tool_call>` block, a format Nemotron was not trained on), and the parser reads it."""
+    base_url, _ = nemotron_server
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "time?"}], "tools": CLOSED, "max_tokens": 200,
+            "temperature": 0, "tool_choice": tool_choice, "return_token_ids": True}
+    choice = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120).raise_for_status().json()[
+        "choices"][0]
+    text = Tokenizer(ensure_builtin_model()).decode(choice["token_ids"])
+    assert choice["finish_reason"] == ("tool_calls" if tool_choice == "required" else "stop")
+    assert text.startswith("<TOOLCALL>[{") and text.endswith("}]</TOOLCALL>"), text
+    calls = choice["message"]["tool_calls"]
+    assert [call["function"]["name"] for call in calls] == [c["name"] for c in json.loads(text[10:-11])]
+    assert all(isinstance(json.loads(call["function"]["arguments"]), dict) for call in calls)
+    if isinstance(tool_choice, dict):
+        assert [call["function"]["name"] for call in calls] == ["get_time"]
 
 
 def test_messages_route_gives_tool_use_blocks_whole_and_streamed(nemotron_server):

@@ -132,13 +132,16 @@ def ssd_states_after(
 
 
 def gated_group_rms_norm(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
+    norm_before_gate: bool = False,
 ) -> torch.Tensor:
-    """Mamba2's gated RMSNorm, the gate applied before the norm (mamba_ssm's `norm_before_gate=False`), the norm
-    taken over groups of `group_size` channels: x, gate [T, I], weight [I] -> [T, I] in gate's dtype,
-    y = weight * rms_norm_per_group(x * silu(gate)), computed in fp32 and rounded once."""
+    """Mamba2's gated RMSNorm, the norm taken over groups of `group_size` channels: x, gate [T, I], weight [I] ->
+    [T, I] in gate's dtype, computed in fp32 and rounded once. The gate applied before the norm (mamba_ssm's
+    `norm_before_gate=False`: Granite-4.0-H, Nemotron-H, Bamba), y = weight * rms_norm_per_group(x * silu(gate)), or
+    with `norm_before_gate` after it (Falcon-H1's default), y = weight * rms_norm_per_group(x) * silu(gate)."""
     shape = x.shape
-    gated = x.float() * F.silu(gate.float())
+    silu_gate = F.silu(gate.float())
+    gated = x.float() if norm_before_gate else x.float() * silu_gate
     grouped = gated.view(*shape[:-1], shape[-1] // group_size, group_size)
-    normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * normed.view(shape)).to(gate.dtype)
+    normed = (weight.float() * (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)).view(shape))
+    return (normed * silu_gate if norm_before_gate else normed).to(gate.dtype)

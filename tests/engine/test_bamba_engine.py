@@ -1,0 +1,31 @@
+"""Bamba (Mamba2 + attention, Granite's layer under Bamba's names) through the engine: cached and uncached runs compute
+the same thing, the cache hits at non-block-aligned steps, the split prefill equals the unsplit one; options that do
+not apply to it (MTP, FP8, images, TP) are clear errors (`mamba2_hybrid_engine_checks`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.models.bamba_helpers import bamba_model
+
+from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
+    test_cached_run_equals_uncached_run,
+    test_cuda_fp32_cached_run_equals_uncached_run,
+    test_llm_generate_with_and_without_the_prefix_cache,
+    test_options_that_do_not_apply_are_clear_errors,
+    test_shared_prefixes_of_unaligned_lengths_hit_at_the_divergence_step,
+    test_split_forward_equals_unsplit_on_cpu,
+    write_tiny_folder,
+)
+
+
+def write_tiny_bamba(path: Path, variant: str, seed: int = 0) -> Path:
+    """A tiny random Bamba folder over the byte tokenizer's 320 ids (transformers `save_pretrained`)."""
+    return write_tiny_folder(bamba_model(variant, seed, vocab_size=320, eos_token_id=258), path)
+
+
+@pytest.fixture(scope="module", params=["groups2", "bias-rope"])
+def model_dir(request, tmp_path_factory):
+    return write_tiny_bamba(tmp_path_factory.mktemp(request.param), request.param)

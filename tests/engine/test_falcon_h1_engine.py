@@ -1,0 +1,55 @@
+"""Falcon-H1 (attention and Mamba2 side by side in every layer) through the engine: each decoder layer is two state
+layers (its paged KV and its Mamba2 state), and the pools, the checkpoints and the prefix cache need no change for it:
+cached and uncached runs compute the same thing, the cache hits at non-block-aligned steps, the split prefill equals
+the unsplit one; dummy weights draw its norms around 1; options that do not apply to it (MTP, FP8, images, TP) are
+clear errors (`mamba2_hybrid_engine_checks`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridcache.config import EngineConfig
+from hybridcache.engine.engine import LLMEngine
+from hybridcache.models import load_model
+from tests.models.falcon_h1_helpers import falcon_model
+from tests.models.helpers import PagedRunner, random_tokens
+
+from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
+    test_cached_run_equals_uncached_run,
+    test_cuda_fp32_cached_run_equals_uncached_run,
+    test_llm_generate_with_and_without_the_prefix_cache,
+    test_options_that_do_not_apply_are_clear_errors,
+    test_shared_prefixes_of_unaligned_lengths_hit_at_the_divergence_step,
+    test_split_forward_equals_unsplit_on_cpu,
+    write_tiny_folder,
+)
+
+
+def write_tiny_falcon(path: Path, variant: str, seed: int = 0) -> Path:
+    """A tiny random Falcon-H1 folder over the byte tokenizer's 320 ids (transformers `save_pretrained`)."""
+    return write_tiny_folder(falcon_model(variant, seed, vocab_size=320, eos_token_id=258), path)
+
+
+@pytest.fixture(scope="module", params=["norm-first", "no-norm"])
+def model_dir(request, tmp_path_factory):
+    return write_tiny_falcon(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def test_the_engine_pools_hold_two_state_layers_a_decoder_layer(model_dir):
+    engine = LLMEngine(model_dir, EngineConfig(num_blocks=64))
+    pools, layers = engine.runner.pools, engine.runner.model.model.layers
+    assert len(pools.layers) == 2 * len(layers)
+    assert all(isinstance(pools.layers[2 * i], torch.Tensor) and set(pools.layers[2 * i + 1]) == {"conv", "ssm"}
+               for i in range(len(layers)))
+
+
+def test_dummy_weights_draw_the_norms_around_one(model_dir):
+    model = load_model(model_dir, load_format="dummy")
+    norms = {name: p for name, p in model.named_parameters() if name.endswith("norm.weight")}
+    assert any(".mamba.norm." in name for name in norms) == ("no-norm" not in str(model_dir))
+    assert all(0.5 < p.mean().item() < 1.5 for p in norms.values())
+    (logits,) = PagedRunner(model, 16, 8).step([(0, random_tokens(50, seed=2))])
+    assert torch.isfinite(logits).all() and logits.std() > 0
