@@ -48,7 +48,7 @@ def test_fp8_expert_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab, s
             "stride_wse", "stride_wsn", "stride_wsk", "stride_out"]
     constants = dict(GATHER=swiglu, SCATTER=not swiglu, SWIGLU=swiglu, A_FP8=a_fp8, GROUP_N=group_n, GROUP_K=128,
                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, BLOCK_E=32, SWAP_AB=swap_ab, PRECISION="tf32",
-                     GROUP_M=group_m, SCALE_ONCE=scale_once)
+                     GROUP_M=group_m, SCALE_ONCE=scale_once, RELU2=False)
     compiled = compile_for_hopper(_fp8_expert_gemm_kernel, pointers, ints, constants, num_warps)
     assert "wgmma" in compiled.asm["ptx"]
 
