@@ -498,7 +498,8 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
                         block_n: int | None = None, prefill: PrefillTile | None = None,
                         rowwise: bool | None = None, shared_gate: torch.Tensor | None = None,
                         **tile: int | bool) -> torch.Tensor:
-    """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
+    """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype, or fp32 without the shared expert: Nemotron-H's
+    router), top_ids [T, k] int64 -> [T, H] in x's dtype:
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]) with FP8 expert weights, each expert's MLP the
     stack's activation (silu(gate) * up, or relu(up)^2 for "relu2"; the same paths and tiles for both).
 
