@@ -352,35 +352,33 @@ class CudaBackend:
         stacked = self._experts.get(experts)
         if stacked is not None:
             return isinstance(stacked, Fp8ExpertWeights) and stacked.shared
-        return hasattr(experts[0].gate_proj, "fmt") and shared_fits(experts, shared_expert)
+        return hasattr(experts[0].up_proj, "fmt") and shared_fits(experts, shared_expert)
 
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
         shared: tuple[torch.Tensor, torch.Tensor | Pending | nn.Module] | None = None, activation: str = "silu_gated",
     ) -> torch.Tensor:
         """`experts` must be a module (the block's nn.ModuleList): its stacked weights are kept per module, with
-        their activation (a later call with another one is a ValueError). bf16 / fp32 experts add `shared` in the
-        combine's launch (a pending output joined right before it, after the expert GEMMs were launched:
-        `grouped_experts`); FP8 experts (SiLU-gated only) with one launch more (joined before it), or, given the
-        shared expert's module (`fuses_shared_expert`), with it stacked as one more expert
+        their activation (a later call with another one is a ValueError; an activation outside
+        `moe.reference.EXPERT_ACTIVATIONS` too, naming it). bf16 / fp32 experts add `shared` in the combine's launch
+        (a pending output joined right before it, after the expert GEMMs were launched: `grouped_experts`); FP8
+        experts (either activation: `fp8_grouped_experts`) with one launch more (joined before it), or, given the
+        shared expert's module (`fuses_shared_expert`: SiLU-gated experts), with it stacked as one more expert
         (`fp8_grouped_experts`' `shared_gate`)."""
         shared_module = shared[1] if shared is not None and isinstance(shared[1], nn.Module) else None
         stacked = self._experts.get(experts)
         if stacked is None:
-            fp8 = hasattr(experts[0].up_proj, "fmt")  # FP8 experts (layers/linear.py::Fp8Linear)
-            if fp8 and activation != "silu_gated":
-                raise ValueError(f"moe: FP8 experts run the SiLU-gated activation only, not {activation!r}")
-            if fp8:
-                stacked = self._experts[experts] = Fp8ExpertWeights.share(experts, shared=shared_module)
+            if hasattr(experts[0].up_proj, "fmt"):  # FP8 experts (layers/linear.py::Fp8Linear)
+                stacked = self._experts[experts] = Fp8ExpertWeights.share(experts, shared=shared_module,
+                                                                          activation=activation)
                 if not torch.cuda.is_current_stream_capturing():
                     compile_fp8_tiles(x, stacked, top_ids.shape[1])
             else:
                 stacked = self._experts[experts] = ExpertWeights.share(experts, activation)
                 if not torch.cuda.is_current_stream_capturing():  # the engine's profiling forward comes first
                     compile_tiles(x, stacked, top_ids.shape[1])
-        stacked_as = getattr(stacked, "activation", "silu_gated")  # (FP8 stacks: SiLU-gated)
-        if stacked_as != activation:
-            raise ValueError(f"moe: these experts were stacked as {stacked_as!r}, not {activation!r}")
+        if stacked.activation != activation:
+            raise ValueError(f"moe: these experts were stacked as {stacked.activation!r}, not {activation!r}")
         if shared_module is not None and not (isinstance(stacked, Fp8ExpertWeights) and stacked.shared):
             raise ValueError("moe: a shared expert module is taken only where fuses_shared_expert said so, on "
                              "every call")

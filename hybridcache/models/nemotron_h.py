@@ -31,9 +31,9 @@ change.
 The residual stream stays in the model dtype (`residual_in_fp32` is read by neither transformers' NemotronH nor
 here). FP8: NVIDIA ModelOpt checkpoints (per-tensor weight scales, read per channel; the selective recipe's dense
 attention, Mamba and router layers stay dense, as the checkpoint holds them), compressed-tensors and fine-grained
-ones, `--quantization fp8`; FP8 KV with the checkpoint's `mixer.k_proj.k_scale` / `v_proj.v_scale`. On CUDA the FP8
-grouped expert GEMM is SiLU-gated only, so FP8 MoE layers (relu^2 experts) run on the reference backend alone (the
-CUDA backend's `moe` refuses them). Not supported (a ValueError says so): tensor parallelism, MTP
+ones, `--quantization fp8`; FP8 KV with the checkpoint's `mixer.k_proj.k_scale` / `v_proj.v_scale`. On CUDA FP8
+MoE layers' relu^2 experts run on the FP8 grouped expert GEMM's relu^2 epilogue (`moe(..., activation="relu2")`),
+the shared expert on two dense FP8 linears. Not supported (a ValueError says so): tensor parallelism, MTP
 (`num_nextn_predict_layers`: its `mtp.` tensors are not loaded).
 """
 

@@ -2,9 +2,9 @@
 FP8 and Granite-4.0-H in llm-compressor's FP8_DYNAMIC layout (`fp8_folders.write_fp8_folder`; their logits against
 transformers: tests/models/test_fp8_mamba2_hybrids.py). Cached and uncached runs compute the same tokens and logits
 with `check_integrity()` at every step, with the model-dtype KV and with FP8 KV (`kv_cache_dtype="fp8"`, the
-checkpoint's KV scales); the startup state names the format. On CUDA (skipped without one) Granite's FP8 runs the
-FP8 GEMMs and grouped experts; Nemotron-H's FP8 relu^2 experts are refused by the CUDA backend with a clear error
-(its FP8 grouped GEMM is SiLU-gated only)."""
+checkpoint's KV scales); the startup state names the format. On CUDA (skipped without one) both folders serve
+cached == uncached on the FP8 GEMMs and grouped experts: Granite's SiLU-gated experts, Nemotron-H's relu^2 ones
+(the FP8 expert GEMM's relu^2 epilogue) beside its shared expert's dense FP8 linears."""
 
 from __future__ import annotations
 
@@ -57,12 +57,18 @@ def test_fp8_kv_cached_run_equals_uncached_run(model_dir):
 
 
 @needs_cuda_engine
-def test_cuda_fp8_granite_runs_and_nemotrons_fp8_experts_are_refused(tmp_path):
-    """On CUDA: Granite's FP8 folder serves cached == uncached (FP8 GEMMs, SiLU-gated FP8 grouped experts); a
-    Nemotron-H FP8 MoE folder stops at the engine's first forward with the backend's ValueError naming relu2."""
-    granite = write_fp8_hybrid(tmp_path / "granite", "granite-moe-channel")
-    uncached, cached = make_engine(granite, caching=False, **CUDA_FP32), make_engine(granite, **CUDA_FP32)
-    assert_same(cached, uncached, run_workload(cached, check_every_step=True), run_workload(uncached))
-    nemotron = write_fp8_hybrid(tmp_path / "nemotron", "nemotron-moe-modelopt")
-    with pytest.raises(ValueError, match="FP8 experts run the SiLU-gated activation only, not 'relu2'"):
-        run_workload(make_engine(nemotron, **CUDA_FP32))
+@pytest.mark.parametrize("case", list(FOLDERS))
+def test_cuda_fp8_hybrid_serves_cached_equal_to_uncached(case, tmp_path):
+    """On CUDA each FP8 folder serves cached == uncached with `check_integrity()` at every step, its MoE layers on
+    the CUDA backend's FP8 grouped experts (their stack's activation: Granite's SiLU-gated, Nemotron-H's relu^2,
+    which the CUDA backend refused before it had the relu^2 epilogue), some tokens served from the cache."""
+    folder = write_fp8_hybrid(tmp_path, case)
+    uncached, cached = make_engine(folder, caching=False, **CUDA_FP32), make_engine(folder, **CUDA_FP32)
+    out_cached = run_workload(cached, check_every_step=True)
+    assert_same(cached, uncached, out_cached, run_workload(uncached))
+    assert sum(o.num_cached_tokens for o in out_cached.values()) > 0
+    from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights
+
+    stacks = list(cached.runner.backend._experts.values())
+    assert stacks and all(isinstance(stack, Fp8ExpertWeights) for stack in stacks)
+    assert {stack.activation for stack in stacks} == {"relu2" if "nemotron" in case else "silu_gated"}

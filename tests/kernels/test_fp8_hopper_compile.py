@@ -2,9 +2,9 @@
 interpreter runs but the compiler rejects (one return type over two constexpr branches was such a case) fails
 here, not on the device. Every variant the engine can launch is compiled: the dense kernel's decode tiles
 (swap-AB, W8A16 and W8A8) and its prefill tile, the grouped expert kernel's decode and prefill tiles (gate/up and
-down; block and per-channel scales), the quantisation kernels (per group; SwiGLU + per row), the shared
-expert's routes (`with_shared`). The swap-AB tiles must reach Hopper's wgmma (the reason for them: with 16 to 32
-rows on the MMA's M side Triton falls back to mma.sync)."""
+down; block and per-channel scales; the SwiGLU and relu^2 epilogues), the quantisation kernels (per group; SwiGLU
+or relu^2 + per row), the shared expert's routes (`with_shared`). The swap-AB tiles must reach Hopper's wgmma (the
+reason for them: with 16 to 32 rows on the MMA's M side Triton falls back to mma.sync)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ pytest.importorskip("triton")
 from hybridcache.kernels.gemm.triton_block_fp8 import _fp8_gemm_kernel  # noqa: E402
 from hybridcache.kernels.gemm.triton_fp8_moe import _fp8_expert_gemm_kernel  # noqa: E402
 from hybridcache.kernels.gemm.triton_quant import (  # noqa: E402
+    _activation_quantize_rows_kernel,
     _quantize_groups_kernel,
-    _swiglu_quantize_rows_kernel,
 )
 from tests.kernels.hopper import compile_for_hopper  # noqa: E402
 
@@ -48,9 +48,28 @@ def test_fp8_expert_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab, s
             "stride_wse", "stride_wsn", "stride_wsk", "stride_out"]
     constants = dict(GATHER=swiglu, SCATTER=not swiglu, SWIGLU=swiglu, A_FP8=a_fp8, GROUP_N=group_n, GROUP_K=128,
                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, BLOCK_E=32, SWAP_AB=swap_ab, PRECISION="tf32",
-                     GROUP_M=group_m, SCALE_ONCE=scale_once)
+                     GROUP_M=group_m, SCALE_ONCE=scale_once, RELU2=False)
     compiled = compile_for_hopper(_fp8_expert_gemm_kernel, pointers, ints, constants, num_warps)
     assert "wgmma" in compiled.asm["ptx"]
+
+
+# "relu2" experts' first GEMM (gathered, relu^2 epilogue, one accumulator): the decode tiles (W8A16 and W8A8
+# swap-AB, a plain 64-row tile) and a prefill tile, with per-channel scales (what ModelOpt's experts run as), once
+# per K step or once after it
+@pytest.mark.parametrize(("a_fp8", "block_m", "block_n", "swap_ab", "num_warps", "group_m"), [
+    (False, 16, 64, True, 4, 0), (True, 32, 64, True, 4, 0), (True, 64, 64, False, 4, 0), (True, 64, 128, False, 8, 8)])
+@pytest.mark.parametrize("scale_once", [False, True], ids=["per-k-step", "scale-once"])
+def test_fp8_relu2_expert_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab, num_warps, group_m, scale_once):
+    pointers = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "a_scale_ptr": "*fp32", "order_ptr": "*i64",
+                "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "counts_ptr": "*i32"}
+    ints = ["num_experts", "top_k", "N", "K", "UP_GROUP", "stride_a", "stride_as", "stride_we", "stride_wn",
+            "stride_wse", "stride_wsn", "stride_wsk", "stride_out"]
+    constants = dict(GATHER=True, SCATTER=False, SWIGLU=False, A_FP8=a_fp8, GROUP_N=1, GROUP_K=128,
+                     BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, BLOCK_E=32, SWAP_AB=swap_ab, PRECISION="tf32",
+                     GROUP_M=group_m, SCALE_ONCE=scale_once and a_fp8, RELU2=True)
+    ptx = compile_for_hopper(_fp8_expert_gemm_kernel, pointers, ints, constants, num_warps).asm["ptx"]
+    assert "wgmma" in ptx
+    assert "max.f32" in ptx and "ex2" not in ptx  # relu's max, and no sigmoid
 
 
 def test_quantize_groups_compiles_for_hopper():
@@ -60,12 +79,14 @@ def test_quantize_groups_compiles_for_hopper():
     assert "e4m3" in compiled.asm["ptx"]  # the conversion to FP8
 
 
+@pytest.mark.parametrize("relu2", [False, True], ids=["swiglu", "relu2"])
 @pytest.mark.parametrize("block", [1024, 512])
-def test_swiglu_quantize_rows_compiles_for_hopper(block):
+def test_activation_quantize_rows_compiles_for_hopper(block, relu2):
     pointers = {"h_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-    compiled = compile_for_hopper(_swiglu_quantize_rows_kernel, pointers, ["M", "N", "stride_h", "stride_q"],
-                                  dict(BLOCK=block, QMAX=448.0))
+    compiled = compile_for_hopper(_activation_quantize_rows_kernel, pointers, ["M", "N", "stride_h", "stride_q"],
+                                  dict(BLOCK=block, QMAX=448.0, RELU2=relu2))
     assert "e4m3" in compiled.asm["ptx"]
+    assert ("ex2" in compiled.asm["ptx"]) != relu2  # the sigmoid's exponential: SwiGLU's only
 
 
 def test_with_shared_compiles_for_hopper():

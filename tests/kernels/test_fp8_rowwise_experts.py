@@ -63,18 +63,26 @@ def test_requantize_rows_is_the_channel_quantisation_of_the_dequantised_blocks()
 
 
 @needs_interpreter
+@pytest.mark.parametrize("activation", ["silu_gated", "relu2"])
 @pytest.mark.parametrize("inter", [96, 128])
-def test_interpreted_swiglu_quantize_rows_equals_torch(inter):
-    """silu(gate) * up in fp32 quantised per row, against torch's `quantize_rows` of the same product: scales to
-    fp32 rounding (sigmoid's last bit), the FP8 values equal but for the interpreter's float32 -> e4m3 faults (the
-    quantize_rows test in test_fp8_kernels.py) or a one-step flip from that scale difference."""
+def test_interpreted_swiglu_quantize_rows_equals_torch(inter, activation):
+    """silu(gate) * up (`swiglu_quantize_rows`; "relu2": relu(up)^2, `relu2_quantize_rows`) in fp32 quantised per
+    row, against torch's `quantize_rows` of the same product: scales to fp32 rounding (sigmoid's last bit), the FP8
+    values equal but for the interpreter's float32 -> e4m3 faults (the quantize_rows test in test_fp8_kernels.py)
+    or a one-step flip from that scale difference."""
     from hybridcache.kernels.gemm import triton_quant
 
     generator = torch.Generator().manual_seed(inter)
-    h = torch.randn(9, 2 * inter, generator=generator) * 3
+    relu2 = activation == "relu2"
+    h = torch.randn(9, inter if relu2 else 2 * inter, generator=generator) * 3
     h[4] = 0  # silu(0) * 0: an all-zero row
-    got_q, got_s = triton_quant.swiglu_quantize_rows(h)
-    want_q, want_s = quantize_rows(F.silu(h[:, :inter]) * h[:, inter:])
+    if relu2:
+        h[6] = -h[6].abs()  # all zeros after the relu
+        got_q, got_s = triton_quant.relu2_quantize_rows(h)
+        want_q, want_s = quantize_rows(F.relu(h).square())
+    else:
+        got_q, got_s = triton_quant.swiglu_quantize_rows(h)
+        want_q, want_s = quantize_rows(F.silu(h[:, :inter]) * h[:, inter:])
     assert got_q.shape == (9, inter) and got_s.shape == (9,)
     assert torch.allclose(got_s, want_s[:, 0], rtol=1e-6, atol=0)
     got, want = got_q.float(), want_q.float()
@@ -83,21 +91,29 @@ def test_interpreted_swiglu_quantize_rows_equals_torch(inter):
     one_step = (got - want).abs() <= want.abs() * 2.0**-3
     assert bool(((got == want) | lost_carry | flushed | one_step).all())
     assert float((got == want).float().mean()) > 0.9
+    if relu2:
+        assert not got[6].any() and torch.equal(got_s[6:7], want_s[6])  # a negative row: zeros, amax 1e-12
+        with pytest.raises(ValueError, match="h \\[M, N\\]"):
+            triton_quant.relu2_quantize_rows(h[0])
+        return
     with pytest.raises(ValueError, match="h \\[M, 2N\\]"):
         triton_quant.swiglu_quantize_rows(h[:, :-1])
 
 
 def block_experts(hidden: int, inter: int, num_experts: int, generator: torch.Generator,
-                  fmt=BLOCK) -> nn.ModuleList:
-    """`num_experts` SwiGLU experts (weights at std 1/sqrt(fan_in)) quantised to `fmt` (`Fp8Linear` modules)."""
+                  fmt=BLOCK, gated: bool = True) -> nn.ModuleList:
+    """`num_experts` SwiGLU experts (weights at std 1/sqrt(fan_in)) quantised to `fmt` (`Fp8Linear` modules);
+    `gated` False: ungated ("relu2") experts, up_proj and down_proj alone (Nemotron-H's)."""
     from hybridcache.models.quant import quantize_linears_
 
     experts = nn.ModuleList()
     for _ in range(num_experts):
         expert = nn.Module()
-        expert.gate_proj, expert.up_proj = nn.Linear(hidden, inter, bias=False), nn.Linear(hidden, inter, bias=False)
+        if gated:
+            expert.gate_proj = nn.Linear(hidden, inter, bias=False)
+        expert.up_proj = nn.Linear(hidden, inter, bias=False)
         expert.down_proj = nn.Linear(inter, hidden, bias=False)
-        for proj in (expert.gate_proj, expert.up_proj, expert.down_proj):
+        for proj in ([expert.gate_proj] if gated else []) + [expert.up_proj, expert.down_proj]:
             proj.weight.data = torch.randn(proj.weight.shape, generator=generator) / proj.in_features**0.5
         experts.append(expert)
     quantize_linears_(experts, [n for n, m in experts.named_modules() if isinstance(m, nn.Linear)], fmt)
@@ -138,16 +154,18 @@ def test_interpreted_share_per_channel_keeps_the_modules_and_the_stack_one(monke
 
 def emulated_rowwise(x, top_weights, top_ids, stacked) -> torch.Tensor:
     """The row-wise experts' arithmetic in torch on the device: x per token, each pick's gate/up on the FP8
-    numbers in fp32 rounded to bf16, silu * up in fp32 quantised per row, the down GEMM, the weighted sum."""
+    numbers in fp32 rounded to bf16, silu * up (a "relu2" stack's relu(up)^2) in fp32 quantised per row, the down
+    GEMM, the weighted sum."""
     xq, xs = quantize_rows(x)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    inter = stacked.gate_up.shape[1] // 2
+    inter = stacked.down.shape[2]
     for t in range(x.shape[0]):
         for j in range(top_ids.shape[1]):
             e = int(top_ids[t, j])
             gu = (xq[t : t + 1].float() @ stacked.gate_up[e].float().T) * xs[t] * stacked.gate_up_rows[e]
             gu = gu.to(torch.bfloat16).float()
-            hq, hs = quantize_rows(F.silu(gu[:, :inter]) * gu[:, inter:])
+            hq, hs = quantize_rows(F.relu(gu).square() if stacked.activation == "relu2"
+                                   else F.silu(gu[:, :inter]) * gu[:, inter:])
             y = ((hq.float() @ stacked.down[e].float().T) * hs * stacked.down_rows[e]).to(torch.bfloat16).float()
             out[t] += top_weights[t, j].float() * y[0]
     return out

@@ -14,11 +14,13 @@ Layout (T tokens, top-k, E experts, R = T*k pairs; `order`, `counts` and the til
     w [E, N_w, K] fp8, w_scale [E, G_w, ceil(K/bk)] fp32      per expert a [N_w, K] weight and its block scales
 With SWIGLU the weights hold gate rows [0, N) and up rows [N, 2N), and the scales gate groups [0, ceil(N/bn)) then
 up groups [ceil(N/bn), 2 ceil(N/bn)) (the two projections' scale grids stacked, so N need not be a multiple of
-bn); the program keeps two fp32 accumulators and writes silu(gate) * up.
+bn); the program keeps two fp32 accumulators and writes silu(gate) * up. With RELU2 (ungated experts, Nemotron-H)
+the weights are the up rows alone and the program writes relu(up)^2 of its scaled fp32 accumulator
+(`triton_experts.relu_squared`, the bf16 kernel's epilogue).
 
 `fp8_grouped_experts` is the whole routed-experts op (same contract as `moe/grouped.py::grouped_experts`): the
-gate/up GEMM gathers, h = silu(gate) * up (quantised again in W8A8), the down GEMM scatters to pair order, and
-`triton_experts.combine` sums each token's k rows in fp32.
+gate/up GEMM gathers, h = silu(gate) * up or relu(up)^2 (the stack's activation; quantised again in W8A8), the down
+GEMM scatters to pair order, and `triton_experts.combine` sums each token's k rows in fp32.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from hybridcache.kernels.gemm import fp8_tiles, reference, triton_quant
 from hybridcache.kernels.gemm.fp8_tiles import PrefillTile, prefill_bucket
 from hybridcache.kernels.gemm.triton_block_fp8 import scaled_dot, store_tile
 from hybridcache.kernels.gemm.triton_quant import quantize_tile
-from hybridcache.kernels.moe.triton_experts import combine, expert_tile, tile_indices
+from hybridcache.kernels.moe.reference import RELU2, SILU_GATED, check_activation
+from hybridcache.kernels.moe.triton_experts import combine, expert_tile, relu_squared, tile_indices
 from hybridcache.kernels.moe.triton_sort import sort_block
 
 # `fp8_grouped_experts`' choices (measured on the H200: `benchmarks/fp8_sweep.py`, docs/kernels.md)
@@ -86,7 +89,8 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
                             SWIGLU: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr,
                             GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, SWAP_AB: tl.constexpr,
-                            PRECISION: tl.constexpr, GROUP_M: tl.constexpr, SCALE_ONCE: tl.constexpr = False):
+                            PRECISION: tl.constexpr, GROUP_M: tl.constexpr, SCALE_ONCE: tl.constexpr = False,
+                            RELU2: tl.constexpr = False):
     # GROUP_M 0: a 2-D grid (row tiles, column tiles); else a 1-D grid walking GROUP_M row tiles across every
     # column tile before the next GROUP_M (their activation rows stay in L2 while the weight columns go by)
     if GROUP_M == 0:
@@ -155,6 +159,8 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
                                 SWAP_AB)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
+    if RELU2:  # ungated experts: relu(up)^2 of the scaled product
+        acc = relu_squared(acc)
     if SCATTER:  # noqa: SIM108 (a constexpr branch)
         out_rows = pairs
     else:
@@ -166,7 +172,8 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
                     weights: torch.Tensor, w_scale: torch.Tensor, counts: torch.Tensor, block: tuple[int, int],
                     out_dtype: torch.dtype, *, gather: bool, scatter: bool, swiglu: bool, block_m: int,
                     block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                    swap_ab: bool = False, group_m: int = 0, scale_once: bool = False) -> torch.Tensor:
+                    swap_ab: bool = False, group_m: int = 0, scale_once: bool = False,
+                    relu2: bool = False) -> torch.Tensor:
     """The launcher (module docstring for the layout): a [T or R, K] float8_e4m3fn with a_scale [T or R,
     ceil(K/bk)] fp32 (W8A8), or bf16/fp16/fp32 with a_scale None (W8A16: each weight tile converted to a's dtype);
     order [R] int64, weights [E, N_w, K] fp8, w_scale [E, G_w, ceil(K/bk)] fp32 (G_w = ceil(N_w/bn), or
@@ -175,7 +182,10 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
     groups of `group_m` row tiles, each group across all column tiles (the dense kernel's L2 order). Shapes,
     dtypes and strides are checked first. `scale_once`: a_scale [rows, 1] (per token) and per-row weight scales
     (a K stride of 0, or one K group): the K loop is an unscaled MMA chain, scaled once after it (equal to the
-    per-step scaling but for fp32 rounding)."""
+    per-step scaling but for fp32 rounding). `relu2` (not with swiglu): each row's relu(W_e a_r)^2 [N_w], from the
+    scaled fp32 accumulator, rounded once (ungated experts' first GEMM)."""
+    if swiglu and relu2:
+        raise ValueError("fp8_expert_gemm: swiglu and relu2 are two activations; pick one")
     bn, bk = block
     a_fp8 = a_scale is not None
     num_experts, width, depth = weights.shape
@@ -223,22 +233,24 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
             SWIGLU=swiglu, A_FP8=a_fp8, GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(num_experts), SWAP_AB=swap_ab,
             PRECISION="ieee" if a.dtype == torch.float32 else "tf32", GROUP_M=group_m, SCALE_ONCE=scale_once,
-            num_warps=num_warps, num_stages=num_stages,
+            RELU2=relu2, num_warps=num_warps, num_stages=num_stages,
         )
     return out
 
 
 @dataclass(frozen=True)
 class Fp8ExpertWeights:
-    """FP8 expert weights stacked for the grouped GEMM.
+    """FP8 expert weights stacked for the grouped GEMM, and the experts' activation (`moe.reference.
+    EXPERT_ACTIVATIONS`, as `moe.grouped.ExpertWeights`).
 
     gate_up [E, 2I, H] fp8 (gate rows, then up rows), gate_up_scale [E, 2 ceil(I/bn), ceil(H/bk)] fp32 (gate
-    groups, then up groups); down [E, H, I] fp8, down_scale [E, ceil(H/bn), ceil(I/bk)] fp32; block (bn, bk).
-    Per-channel weights (one scale per row) keep it as gate_up_rows [E, 2I] and down_rows [E, H] fp32
-    (`F.scaled_grouped_mm`'s row-wise scales; None for 128 x 128 blocks), their block scales being (1, bk) views
-    of them (a K stride of 0). `shared`: the stack's last expert is the MoE block's shared expert (`share(...,
-    shared=...)`), which every token picks once more with weight sigmoid(its gate) (`fp8_grouped_experts`'
-    `shared_gate`).
+    groups, then up groups); "relu2" (ungated experts): up rows alone, [E, I, H] and [E, ceil(I/bn), ceil(H/bk)];
+    down [E, H, I] fp8, down_scale [E, ceil(H/bn), ceil(I/bk)] fp32; block (bn, bk).
+    Per-channel weights (one scale per row) keep it as gate_up_rows [E, 2I] ("relu2": [E, I]) and down_rows [E, H]
+    fp32 (`F.scaled_grouped_mm`'s row-wise scales; None for 128 x 128 blocks), their block scales being (1, bk)
+    views of them (a K stride of 0). `shared`: the stack's last expert is the MoE block's shared expert (`share(...,
+    shared=...)`; SiLU-gated stacks only), which every token picks once more with weight sigmoid(its gate)
+    (`fp8_grouped_experts`' `shared_gate`).
     """
 
     gate_up: torch.Tensor
@@ -249,25 +261,32 @@ class Fp8ExpertWeights:
     gate_up_rows: torch.Tensor | None = None
     down_rows: torch.Tensor | None = None
     shared: bool = False
+    activation: str = SILU_GATED
 
     @classmethod
     @torch.no_grad()
     def share(cls, experts: Sequence[nn.Module], per_channel: bool | None = None,
-              shared: nn.Module | None = None) -> Fp8ExpertWeights:
+              shared: nn.Module | None = None, activation: str = SILU_GATED) -> Fp8ExpertWeights:
         """Stack the FP8 experts (modules with `gate_proj`, `up_proj`, `down_proj` FP8 linears of one format:
-        `weight`, `scale`, `fmt`) and re-point each expert's weights at their slices of the stack (one copy in
-        memory). Per-channel scales [N, 1] become blocks of (1, 128): each row's scale read at every K group
-        (a view with a K stride of 0; activations then quantised per token per 128 channels in the Triton
-        kernels, finer than per token), and stay rows (`gate_up_rows`, `down_rows`).
+        `weight`, `scale`, `fmt`; "relu2" experts have no `gate_proj`, and their stack holds up_proj alone) and
+        re-point each expert's weights at their slices of the stack (one copy in memory). Per-channel scales
+        [N, 1] become blocks of (1, 128): each row's scale read at every K group (a view with a K stride of 0;
+        activations then quantised per token per 128 channels in the Triton kernels, finer than per token), and
+        stay rows (`gate_up_rows`, `down_rows`).
         Block-scaled experts with `per_channel` (default `fp8_tiles.EXPERTS_PER_CHANNEL`) are re-quantised per
         output channel (`reference.requantize_rows`; a change of numerics, docs/kernels.md "Quantization") and
         their modules become per-channel `Fp8Linear`s holding the new weights. `shared` (a module like the
-        experts, `shared_fits` must hold): stacked last, as one more expert (re-quantised with the others)."""
+        experts, `shared_fits` must hold): stacked last, as one more expert (re-quantised with the others).
+        `activation`: the experts' (`moe.reference.EXPERT_ACTIVATIONS`; another is a ValueError naming it)."""
+        check_activation(activation)
+        if shared is not None and activation != SILU_GATED:
+            raise ValueError(f"Fp8ExpertWeights.share: a shared expert is stacked with SiLU-gated experts only (its "
+                             f"sigmoid-gated pick), not {activation!r} ones")
         if shared is not None and not shared_fits(experts, shared):
             raise ValueError("Fp8ExpertWeights.share: the shared expert must have the routed experts' FP8 format "
                              "and widths (shared_fits)")
         experts = [*experts, shared] if shared is not None else list(experts)
-        fmt = experts[0].gate_proj.fmt
+        fmt = experts[0].up_proj.fmt
         per_channel = fp8_tiles.EXPERTS_PER_CHANNEL if per_channel is None else per_channel
         requantize = fmt.kind == "block" and per_channel
         bk = fmt.block[1]
@@ -283,34 +302,41 @@ class Fp8ExpertWeights:
                     _to_channel(linear, scales[e, :, None])
             return weights, scales.reshape(len(linears), -1) if block[0] == 1 else scales
 
-        gate, gate_scale = stacked([e.gate_proj for e in experts])
-        up, up_scale = stacked([e.up_proj for e in experts])
+        gated = activation == SILU_GATED
+        gate_up, gate_up_scale = stacked([e.up_proj for e in experts])
+        if gated:  # gate rows first
+            gate, gate_scale = stacked([e.gate_proj for e in experts])
+            gate_up, gate_up_scale = torch.cat([gate, gate_up], dim=1), torch.cat([gate_scale, gate_up_scale], dim=1)
+            del gate
+        gate_up_scale = gate_up_scale.contiguous()
         down, down_scale = stacked([e.down_proj for e in experts])
-        gate_up = torch.cat([gate, up], dim=1)
-        del gate, up
-        gate_up_scale = torch.cat([gate_scale, up_scale], dim=1).contiguous()
         down_scale = down_scale.contiguous()
-        inter = gate_up.shape[1] // 2
+        inter = down.shape[2]
         for e, expert in enumerate(experts):
-            expert.gate_proj.weight.data = gate_up[e, :inter]
-            expert.up_proj.weight.data = gate_up[e, inter:]
+            if gated:
+                expert.gate_proj.weight.data = gate_up[e, :inter]
+            expert.up_proj.weight.data = gate_up[e, gate_up.shape[1] - inter:]
             expert.down_proj.weight.data = down[e]
         if block[0] != 1:
-            return cls(gate_up, gate_up_scale, down, down_scale, block, shared=shared is not None)
+            return cls(gate_up, gate_up_scale, down, down_scale, block, shared=shared is not None,
+                       activation=activation)
 
         def blocks(rows: torch.Tensor, depth: int) -> torch.Tensor:  # [E, N, K groups], a K stride of 0
             return rows[:, :, None].expand(-1, -1, -(-depth // bk))
 
         return cls(gate_up, blocks(gate_up_scale, gate_up.shape[2]), down, blocks(down_scale, down.shape[2]), block,
-                   gate_up_scale, down_scale, shared=shared is not None)
+                   gate_up_scale, down_scale, shared=shared is not None, activation=activation)
 
 
 def shared_fits(experts: Sequence[nn.Module], shared: nn.Module) -> bool:
     """Whether a MoE block's shared expert can run as one more routed expert (`fp8_tiles.SHARED_AS_EXPERT`):
     every projection of the experts and of `shared` an FP8 linear (`fmt`) of one format, the shared expert as
-    wide as the routed ones (gate / up rows, down columns), and one more expert within the sort's limit."""
+    wide as the routed ones (gate / up rows, down columns), and one more expert within the sort's limit. Ungated
+    experts (no `gate_proj`: "relu2") never do."""
     from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS
 
+    if not (hasattr(experts[0], "gate_proj") and hasattr(shared, "gate_proj")):
+        return False
     projections = [getattr(m, name) for m in (experts[0], shared) for name in ("gate_proj", "up_proj", "down_proj")]
     if not all(hasattr(p, "fmt") for p in projections) or len({p.fmt for p in projections}) != 1:
         return False
@@ -441,8 +467,9 @@ def rowwise_expert_rows(x: torch.Tensor, order: torch.Tensor, counts: torch.Tens
     """y [T*k, H] in sorted order (`combine` through `pair_rows`): per-channel experts by two of torch's row-wise
     scaled grouped GEMMs (`F.scaled_grouped_mm`, CUTLASS on sm90), as bf16's `moe.grouped.expert_rows_grouped`:
     x quantised per token and written to its rows in sorted order in one launch (`triton_quant.
-    quantize_rows_scatter`; `rows`: `pair_rows(order)`, computed here when None), then silu(gate) * up quantised
-    per row in one launch (`triton_quant.swiglu_quantize_rows`)."""
+    quantize_rows_scatter`; `rows`: `pair_rows(order)`, computed here when None), then silu(gate) * up (or "relu2"
+    experts' relu(up)^2) quantised per row in one launch (`triton_quant.swiglu_quantize_rows` /
+    `relu2_quantize_rows`)."""
     from hybridcache.kernels.moe.grouped import pair_rows
 
     ends = counts.cumsum(0, dtype=torch.int32)
@@ -451,7 +478,8 @@ def rowwise_expert_rows(x: torch.Tensor, order: torch.Tensor, counts: torch.Tens
     fast = {"use_fast_accum": True} if fp8_tiles.ROWWISE_FAST_ACCUM else {}
     gate_up = F.scaled_grouped_mm(xq, experts.gate_up.transpose(1, 2), x_scale, rowwise, experts.gate_up_rows,
                                   rowwise, offs=ends, output_dtype=x.dtype, **fast)
-    h, h_scale = triton_quant.swiglu_quantize_rows(gate_up)
+    activate = triton_quant.relu2_quantize_rows if experts.activation == RELU2 else triton_quant.swiglu_quantize_rows
+    h, h_scale = activate(gate_up)
     return F.scaled_grouped_mm(h, experts.down.transpose(1, 2), h_scale, rowwise, experts.down_rows, rowwise,
                                offs=ends, output_dtype=x.dtype, **fast)
 
@@ -459,10 +487,10 @@ def rowwise_expert_rows(x: torch.Tensor, order: torch.Tensor, counts: torch.Tens
 def rowwise_fits(x: torch.Tensor, experts: Fp8ExpertWeights) -> bool:
     """Whether `fp8_grouped_experts` may take `rowwise_expert_rows` above the decode sizes: per-channel experts,
     bf16 on CUDA, `fp8_tiles.ROWWISE_PREFILL`, a torch with `F.scaled_grouped_mm`, and widths that are multiples
-    of 16 (its TMA rule)."""
+    of 16 (its TMA rule: the experts' width I, the down GEMM's K, and the hidden size H)."""
     return (fp8_tiles.ROWWISE_PREFILL and experts.gate_up_rows is not None and x.is_cuda
             and x.dtype == torch.bfloat16 and hasattr(F, "scaled_grouped_mm")
-            and experts.gate_up.shape[1] % 32 == 0 and experts.gate_up.shape[2] % 16 == 0)
+            and experts.down.shape[2] % 16 == 0 and experts.gate_up.shape[2] % 16 == 0)
 
 
 def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor,
@@ -470,8 +498,10 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
                         block_n: int | None = None, prefill: PrefillTile | None = None,
                         rowwise: bool | None = None, shared_gate: torch.Tensor | None = None,
                         **tile: int | bool) -> torch.Tensor:
-    """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
-    out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]) with FP8 expert weights.
+    """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype, or fp32 without the shared expert: Nemotron-H's
+    router), top_ids [T, k] int64 -> [T, H] in x's dtype:
+    out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]) with FP8 expert weights, each expert's MLP the
+    stack's activation (silu(gate) * up, or relu(up)^2 for "relu2"; the same paths and tiles for both).
 
     Few rows per expert (`moe.grouped.tile_rows` gives a tile: decode): the `DECODE_*` tile, W8A8 swap-AB (or W8A16
     with `DECODE_W8A16`: x and h in x's dtype, the weights converted in the kernel, no quantisation launch;
@@ -539,8 +569,9 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
             rows = pair_rows(order)
             return combine(rowwise_expert_rows(x, order, counts, top_k, experts, rows), top_weights, rows)
         a, a_scale = quantized(x)
+    gated = experts.activation == SILU_GATED
     h = fp8_expert_gemm(a, a_scale, order, top_k, experts.gate_up, experts.gate_up_scale, counts, experts.block,
-                        x.dtype, gather=True, scatter=False, swiglu=True, **options)
+                        x.dtype, gather=True, scatter=False, swiglu=gated, relu2=not gated, **options)
     a, a_scale = quantized(h)
     y = fp8_expert_gemm(a, a_scale, order, top_k, experts.down, experts.down_scale, counts, experts.block,
                         x.dtype, gather=False, scatter=True, swiglu=False, **down_options)

@@ -5,6 +5,7 @@ per token (`quantize_rows`: one group of the whole row, what `reference.quantize
 Program (m, c) takes row m's groups [c * CHUNK, (c + 1) * CHUNK) as a [CHUNK, GROUP] tile: per group
 amax = max(max |x|, 1e-12), scale = amax / 448, q = clamp(x / scale, -448, 448) rounded to e4m3 (IEEE division,
 as torch's), so the result equals `quantize_groups`' bit for bit. Rows past M (`pad_rows`) are written as zeros.
+The experts' activation fused with a per-row quantisation: `swiglu_quantize_rows`, `relu2_quantize_rows`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import triton
 import triton.language as tl
 
 from hybridcache.fp8_format import FP8_DTYPE, FP8_MAX
+from hybridcache.kernels.moe.triton_experts import relu_squared
 
 
 # The row count M and the scale's group stride (the padded row count in cuBLAS's column-major layout) vary with
@@ -78,14 +80,18 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit(do_not_specialize=["M"])
-def _swiglu_quantize_rows_kernel(h_ptr, q_ptr, s_ptr, M, N, stride_h, stride_q, BLOCK: tl.constexpr,
-                                 QMAX: tl.constexpr):
+def _activation_quantize_rows_kernel(h_ptr, q_ptr, s_ptr, M, N, stride_h, stride_q, BLOCK: tl.constexpr,
+                                     QMAX: tl.constexpr, RELU2: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
-    gate = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + row * stride_h + N + cols, mask=ok, other=0.0).to(tl.float32)
-    a = gate * tl.sigmoid(gate) * up
+    if RELU2:  # ungated experts: h is the up projection alone
+        up = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
+        a = relu_squared(up)
+    else:
+        gate = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + row * stride_h + N + cols, mask=ok, other=0.0).to(tl.float32)
+        a = gate * tl.sigmoid(gate) * up
     scale = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-12) / QMAX
     q = tl.clamp(tl.math.div_rn(a, scale), -QMAX, QMAX)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
@@ -98,14 +104,26 @@ def swiglu_quantize_rows(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     FP8 experts' SwiGLU and their down GEMM's activation quantisation in one launch, `triton_fp8_moe`)."""
     if h.dim() != 2 or h.stride(1) != 1 or h.shape[1] % 2:
         raise ValueError(f"swiglu_quantize_rows: h [M, 2N] with unit stride needed, got {list(h.shape)}")
-    rows, width = h.shape
-    n = width // 2
+    return _activation_quantize_rows(h, h.shape[1] // 2, relu2=False)
+
+
+def relu2_quantize_rows(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [M, N] (an ungated expert's up projection; unit stride on N) -> (aq [M, N] float8_e4m3fn, scale [M] fp32):
+    a = relu(h)^2 in fp32, quantised per row as `reference.quantize_rows(a)` (`swiglu_quantize_rows` for "relu2"
+    experts, the same kernel)."""
+    if h.dim() != 2 or h.stride(1) != 1:
+        raise ValueError(f"relu2_quantize_rows: h [M, N] with unit stride needed, got {list(h.shape)}")
+    return _activation_quantize_rows(h, h.shape[1], relu2=True)
+
+
+def _activation_quantize_rows(h: torch.Tensor, n: int, relu2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = h.shape[0]
     q = torch.empty((rows, n), dtype=FP8_DTYPE, device=h.device)
     scale = torch.empty((rows,), dtype=torch.float32, device=h.device)
     if rows and n:
         block = triton.next_power_of_2(n)
-        _swiglu_quantize_rows_kernel[(rows,)](h, q, scale, rows, n, h.stride(0), q.stride(0), BLOCK=block,
-                                              QMAX=FP8_MAX, num_warps=4 if block <= 2048 else 8)
+        _activation_quantize_rows_kernel[(rows,)](h, q, scale, rows, n, h.stride(0), q.stride(0), BLOCK=block,
+                                                  QMAX=FP8_MAX, RELU2=relu2, num_warps=4 if block <= 2048 else 8)
     return q, scale
 
 

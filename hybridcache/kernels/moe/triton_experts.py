@@ -72,6 +72,14 @@ def tile_indices(order_ptr, rows, row_ok, top_k, N, pid_n, GATHER: tl.constexpr,
 
 
 @triton.jit
+def relu_squared(acc):
+    """relu(acc)^2, the epilogue of ungated experts (Nemotron-H); shared by this module's expert GEMM and the FP8
+    one (`gemm/triton_fp8_moe.py`)."""
+    acc = tl.maximum(acc, 0.0)
+    return acc * acc
+
+
+@triton.jit
 def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_experts, top_k, N, K,
                         stride_a, stride_we, stride_wn, stride_out,
                         GATHER: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -120,8 +128,7 @@ def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_expert
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
     if RELU2:  # ungated experts (Nemotron-H): relu(x)^2 of the up projection
-        acc = tl.maximum(acc, 0.0)
-        acc = acc * acc
+        acc = relu_squared(acc)
     if SCATTER:  # noqa: SIM108 (a constexpr branch)
         out_rows = pairs
     else:
