@@ -126,7 +126,8 @@ class KernelBackend(Protocol):
         """The gated delta rule per sequence, continuing from its recurrent state (q, k l2-normalised here).
 
         q, k      [T, Hk, Dk];  v [T, Hv, Dv];  g [T, Hv] fp32 log decay (<= 0);  beta [T, Hv] in (0, 1), or in
-                  (0, 2) (OLMo Hybrid's allow_neg_eigval: `delta_gates`' beta doubled before this op)
+                  (0, 2) (OLMo Hybrid's allow_neg_eigval: `delta_gates`' beta doubled before this op); or g
+                  [T, Hv, Dk] fp32, a decay per key channel (Kimi Delta Attention: S = diag(exp(g)) S)
         ssm_layer [num_slots, Hv, Dk, Dv]   state S of each slot (fp32 by default); updated in place for every
                   sequence (fresh sequences start from zeros)
         returns   [T, Hv, Dv] in q's dtype. Per token: S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(Dk)
@@ -606,6 +607,35 @@ def scan_sequences(
         out[decode.rows], state = step(decode.rows, ssm_layer[decode.slots])
         ssm_layer.index_copy_(0, decode.slots, state.to(ssm_layer.dtype))
     return out
+
+
+def per_channel_delta_scan(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm_layer: torch.Tensor,
+    batch: ForwardBatch,
+) -> torch.Tensor:
+    """`gated_delta_rule` with a per-channel g [T, Hv, Dk] (Kimi Delta Attention) on the torch reference, for a
+    backend whose kernels take a per-head g only (CUDA): each sequence alone from the host lengths
+    (`scan_sequences`); a step of decode rows only, every row in one torch step, fresh rows (context_len 1)
+    starting from zeros, read on the device (no host sync)."""
+    out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    if all(n == 1 for n in batch.query_lens_cpu) and batch.draft_rows is None:
+        slots = batch.state_slots[: len(batch.query_lens_cpu)]
+        states = ssm_layer[slots] * (batch.context_lens[: len(slots)] > 1)[:, None, None, None]
+        out, state = delta_ref.gated_delta_rule_step(q, k, v, g, beta, states)
+        ssm_layer.index_copy_(0, slots, state.to(ssm_layer.dtype))
+        return out
+
+    def scan(rows: slice, initial: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        rule = delta_ref.recurrent_gated_delta_rule if rows.stop - rows.start == 1 else delta_ref.chunk_gated_delta_rule
+        return rule(q[rows], k[rows], v[rows], g[rows], beta[rows], initial)
+
+    def states_after(rows: slice, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return delta_ref.gated_delta_rule_verify(q[rows], k[rows], v[rows], g[rows], beta[rows], initial)
+
+    def step(rows: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return delta_ref.gated_delta_rule_step(q[rows], k[rows], v[rows], g[rows], beta[rows], states)
+
+    return scan_sequences(batch, ssm_layer, out, None, scan=scan, states_after=states_after, step=step)
 
 
 def mamba2_scan(

@@ -54,7 +54,7 @@ from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels import streams
 from hybridcache.kernels.activation import triton as triton_activation
 from hybridcache.kernels.attention.base import AttentionBackend
-from hybridcache.kernels.backend import mamba1_scan, mamba2_scan
+from hybridcache.kernels.backend import mamba1_scan, mamba2_scan, per_channel_delta_scan
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
 from hybridcache.kernels.conv.triton_verify import conv_draft_states
 from hybridcache.kernels.gated_delta import triton_gates
@@ -161,6 +161,7 @@ class CudaBackend:
         )
         self._said_scan = False  # the one log line of the first Mamba2 scan
         self._said_selective_scan = False  # and of the first Mamba1 scan
+        self._said_kda = False  # and of the first Kimi Delta Attention rule
 
     def check_model(self, shapes: ModelShapes) -> None:
         """UnsupportedModelError naming every reason this backend's kernels (and its attention backend's)
@@ -248,6 +249,12 @@ class CudaBackend:
         batch: ForwardBatch,
     ) -> torch.Tensor:
         meta = _metadata(batch)
+        if g.dim() == 3:  # a per-channel decay (Kimi Delta Attention): fla's gated-delta kernels take [T, Hv]
+            if not self._said_kda:
+                self._said_kda = True
+                _logger.info("Kimi Delta Attention layers run the torch reference of the per-channel gated delta "
+                             "rule (no CUDA kernel for it yet)")
+            return per_channel_delta_scan(q, k, v, g, beta, ssm_layer, batch)
         if meta.all_decode:
             return gated_delta_rule_decode(q, k, v, g, beta, ssm_layer, batch.state_slots, batch.context_lens)
         verify = meta.verify

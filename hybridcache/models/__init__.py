@@ -25,6 +25,7 @@ _LAZY = {
     "GraniteMoeHybridForCausalLM": "hybridcache.models.granite",
     "NemotronHForCausalLM": "hybridcache.models.nemotron_h",
     "OlmoHybridForCausalLM": "hybridcache.models.olmo_hybrid",
+    "KimiLinearForCausalLM": "hybridcache.models.kimi_linear",
     "Lfm2ForCausalLM": "hybridcache.models.lfm2",
     "Lfm2MoeForCausalLM": "hybridcache.models.lfm2",
     "BambaForCausalLM": "hybridcache.models.bamba",

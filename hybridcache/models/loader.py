@@ -109,6 +109,11 @@ RENAMED_SUFFIXES = (  # Granite's MoE block (and its FP8 scales) and OLMo Hybrid
     (".feed_forward.w3.weight", ".feed_forward.up_proj.weight"),
     (".feed_forward.w2.weight", ".feed_forward.down_proj.weight"),
     (".feed_forward.expert_bias", ".feed_forward.gate.e_score_correction_bias"),  # (LFM2-MoE's router's bias)
+    # Kimi Linear's KDA gate under transformers' in-memory names (the released checkpoints hold them directly)
+    (".self_attn.forget_gate.f_a_proj.weight", ".self_attn.f_a_proj.weight"),
+    (".self_attn.forget_gate.f_b_proj.weight", ".self_attn.f_b_proj.weight"),
+    (".self_attn.forget_gate.dt_bias", ".self_attn.dt_bias"),
+    (".self_attn.forget_gate.A_log", ".self_attn.A_log"),
     (".self_attn.out_proj.weight", ".self_attn.o_proj.weight"),
     (".self_attn.q_layernorm.weight", ".self_attn.q_norm.weight"),
     (".self_attn.k_layernorm.weight", ".self_attn.k_norm.weight"),
@@ -122,6 +127,9 @@ RENAMED_EXPERTS = (re.compile(r"\.feed_forward\.experts\.(?P<e>\d+)\.(?P<w>w[123
 CONCATENATED_SUFFIXES = {
     ".linear_attn.conv1d.weight": (".linear_attn.q_conv1d.weight", ".linear_attn.k_conv1d.weight",
                                    ".linear_attn.v_conv1d.weight"),
+    # Kimi Linear's KDA layers (`models/kimi_linear.py`)
+    ".self_attn.conv1d.weight": (".self_attn.q_conv1d.weight", ".self_attn.k_conv1d.weight",
+                                 ".self_attn.v_conv1d.weight"),
 }
 # Stacked experts [E, ...] and their stacked FP8 scales (`<kind>.weight_scale` [E, rows, 1]: per channel)
 _STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.(?:mlp|block_sparse_moe|mixer|feed_forward)\.experts)\."

@@ -7,6 +7,7 @@ from hybridcache.models.falcon_h1 import FalconH1ForCausalLM
 from hybridcache.models.granite import GraniteMoeHybridForCausalLM
 from hybridcache.models.hybrid_lm import HybridCausalLM
 from hybridcache.models.jamba import JambaForCausalLM
+from hybridcache.models.kimi_linear import KimiLinearForCausalLM
 from hybridcache.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from hybridcache.models.nemotron_h import NemotronHForCausalLM
 from hybridcache.models.olmo_hybrid import OlmoHybridForCausalLM
@@ -24,6 +25,7 @@ def _model_classes() -> dict[str, type[HybridCausalLM]]:
         "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
         "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,  # Granite-4.0-H, dense and MoE
         "NemotronHForCausalLM": NemotronHForCausalLM,  # Nemotron-H (Mamba2, attention and MLP layers)
+        "KimiLinearForCausalLM": KimiLinearForCausalLM,  # Kimi Linear (KDA, MLA and MoE layers)
         "OlmoHybridForCausalLM": OlmoHybridForCausalLM,  # OLMo Hybrid (gated DeltaNet and attention layers)
         "Lfm2ForCausalLM": Lfm2ForCausalLM,  # LFM2 (gated short-convolution and attention layers)
         "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,  # LFM2-MoE (LFM2's layers, MoE blocks past the first dense ones)

@@ -1,0 +1,260 @@
+"""Moonshot Kimi Linear (`KimiLinearForCausalLM`, model_type `kimi_linear`; Kimi-Linear-48B-A3B-Base / -Instruct):
+Kimi Delta Attention (KDA) layers and multi-head latent attention (MLA) layers, a dense SwiGLU MLP in the first
+`first_k_dense_replace` layers and a sparse MoE block in the others; pre-norm RMSNorm layers.
+
+Module tree (names equal the released checkpoints' tensor names; transformers' in-memory KDA gate names
+`self_attn.forget_gate.*` load too, `loader.RENAMED_SUFFIXES`; the checkpoints' `q_conv1d`, `k_conv1d`, `v_conv1d`
+are concatenated into `conv1d`, `loader.CONCATENATED_SUFFIXES`)::
+
+    model.embed_tokens                          [vocab, hidden]
+    model.layers.{i}.input_layernorm            RMSNorm
+    model.layers.{i}.self_attn                  KimiDeltaAttention (layer_types[i] "linear_attention"):
+        q_proj, k_proj, v_proj [H*K, hidden]; conv1d [3*H*K, 1, W] (no bias); f_a_proj [K, hidden],
+        f_b_proj [H*K, K], dt_bias [H*K] (fp32), A_log [1, 1, H, 1]; b_proj [H, hidden]; g_a_proj [K, hidden],
+        g_b_proj [H*K, K]; o_norm [K]; o_proj [hidden, H*K]
+                                                KimiMLA (layer_types[i] "full_attention"):
+        q_proj [H*Dqk, hidden] (or q_a_proj, q_a_layernorm, q_b_proj with q_lora_rank); kv_a_proj_with_mqa
+        [R + Dr, hidden]; kv_a_layernorm [R]; kv_b_proj [H*(Dn + Dv), R]; o_proj [hidden, H*Dv]
+    model.layers.{i}.post_attention_layernorm   RMSNorm
+    model.layers.{i}.mlp                        gate_proj, up_proj, down_proj (i < first_k_dense_replace)
+    model.layers.{i}.block_sparse_moe           gate.weight [E, hidden], gate.e_score_correction_bias [E] (fp32),
+                                                experts.{e}.w1 / w3 [I, hidden] (gate / up), w2 [hidden, I];
+                                                shared_experts.gate_proj / up_proj / down_proj
+    model.norm, lm_head
+
+KDA (per token; H heads of K channels, keys and values both K wide):
+    q|k|v = silu(causal depthwise conv(q_proj(x) | k_proj(x) | v_proj(x)))     conv state [3*H*K, W-1]
+    g = -exp(A_log) * softplus(f_b_proj(f_a_proj(x)) + dt_bias)   [H, K] fp32: a log decay per key channel
+    beta = sigmoid(b_proj(x))
+    o = gated delta rule(q, k, v, g, beta)       S = diag(exp(g)) S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(K)
+                                                 (q, k l2-normalised), state S [H, K, K] (the state dtype)
+    out = o_proj(RMSNorm(o) * sigmoid(g_b_proj(g_a_proj(x))))   (norm over K per head, fp32, weight in fp32)
+The rule is the backend's `gated_delta_rule` with g [T, H, K] (the DeltaNet op's per-head g generalised).
+
+MLA without rotary embedding (`mla_use_nope`; transformers' Kimi Linear applies none): a head's query [Dqk],
+key [k_nope_h | k_shared] (Dqk = Dn + Dr; k_shared, Dr wide, is the same for every head), value [Dv]; softmax
+scale Dqk^-1/2. The paged KV holds the expanded keys and values of every head, zero-padded to
+`MLAConfig.cache_head_dim` D (queries padded alike, so q.k is unchanged; the padded output channels are dropped):
+2 x H x D values a token and layer (bf16, the released models: 2 x 32 x 256 x 2 B = 32 KiB).
+
+Not supported (a ValueError says so): tensor parallelism, FP8 weights or KV, MTP, MLA with rotary embedding.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from hybridcache.layers.linear import module_linear
+from hybridcache.layers.mlp import MLP
+from hybridcache.layers.norm import RMSNorm
+from hybridcache.layers.step import StepContext
+from hybridcache.models.config import LayerKind, MLAConfig, ModelConfig
+from hybridcache.models.hybrid_lm import DecoderLayer, HybridCausalLM
+from hybridcache.models.nemotron_h import GroupedTopKRouter
+from hybridcache.state_spec import AttentionSpec, RecurrentSpec, StateTensorSpec
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """x, gate [..., D] -> round(w * x / rms(x) * sigmoid(gate)), in fp32 with the weight in fp32 (transformers'
+    KimiLinearRMSNormGated)."""
+
+    centred_on_one: ClassVar[bool] = True  # its weight scales as it is (random weights draw it around 1)
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (normed * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    """The KDA layer (module docstring): hidden [T, hidden] -> [T, hidden]; state `conv` [slots, 3*H*K, W-1] (model
+    dtype) and `ssm` [slots, H, K, K] (state dtype), sequence i in row batch.state_slots[i], updated in place."""
+
+    def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, conv_kernel_size: int, eps: float) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        width = num_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, width, bias=False)
+        self.k_proj = nn.Linear(hidden_size, width, bias=False)
+        self.v_proj = nn.Linear(hidden_size, width, bias=False)
+        self.conv1d = nn.Conv1d(3 * width, 3 * width, conv_kernel_size, groups=3 * width, bias=False,
+                                padding=conv_kernel_size - 1)
+        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, width, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(width))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, num_heads, 1))
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.g_b_proj = nn.Linear(head_dim, width, bias=False)
+        self.o_norm = SigmoidGatedRMSNorm(head_dim, eps)
+        self.o_proj = nn.Linear(width, hidden_size, bias=False)
+
+    @property
+    def input_projection(self) -> nn.Linear:
+        return self.q_proj
+
+    def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> RecurrentSpec:
+        """conv: the last W-1 pre-convolution inputs [3*H*K, W-1] (model dtype); ssm: S [H, K, K] (state dtype)."""
+        conv_width = self.conv1d.kernel_size[0] - 1
+        return RecurrentSpec(tensors=(
+            StateTensorSpec(name="conv", shape=(self.conv1d.out_channels, conv_width), dtype=dtype),
+            StateTensorSpec(name="ssm", shape=(self.num_heads, self.head_dim, self.head_dim), dtype=state_dtype),
+        ))
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> g [T, H, K] fp32 = -exp(A_log) * softplus(f_b_proj(f_a_proj(x)) + dt_bias)."""
+        raw = module_linear(self.f_b_proj, module_linear(self.f_a_proj, x)).float() + self.dt_bias.float()
+        raw = raw.view(x.shape[0], self.num_heads, self.head_dim)
+        return -self.A_log.float().view(self.num_heads, 1).exp() * F.softplus(raw)
+
+    def forward(self, hidden: torch.Tensor, step: StepContext, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        mixed = torch.cat([module_linear(p, hidden) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
+        g = self.forget_gate(hidden)
+        beta = torch.sigmoid(module_linear(self.b_proj, hidden))
+        core = step.core(functools.partial(self._recur, state), mixed, g, beta)
+        gate = module_linear(self.g_b_proj, module_linear(self.g_a_proj, hidden))
+        out = self.o_norm(core, gate.view(num_tokens, self.num_heads, self.head_dim))
+        return module_linear(self.o_proj, out.reshape(num_tokens, -1))
+
+    def _recur(self, state: Mapping[str, torch.Tensor], step: StepContext, mixed: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor) -> torch.Tensor:
+        """The layer's core: the conv and the per-channel gated delta rule, each sequence from its state row."""
+        backend = step.backend
+        conv_out = backend.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, state["conv"], step.batch)
+        heads = (self.num_heads, self.head_dim)
+        q, k, v = (t.unflatten(-1, heads) for t in conv_out.chunk(3, dim=-1))
+        return backend.gated_delta_rule(q, k, v, g, beta, state["ssm"], step.batch)
+
+
+class KimiMLA(nn.Module):
+    """Multi-head latent attention without rotary embedding (module docstring) over the paged KV, which holds the
+    expanded keys and values zero-padded to `mla.cache_head_dim`."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mla: MLAConfig, eps: float) -> None:
+        super().__init__()
+        self.num_heads, self.mla = num_heads, mla
+        self.head_dim = mla.cache_head_dim
+        qk = mla.qk_head_dim
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, num_heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, mla.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, eps)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, num_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * mla.v_head_dim, hidden_size, bias=False)
+        self.kv_dtype: torch.dtype | None = None  # (FP8 KV is refused: KimiLinearForCausalLM.supports_fp8)
+        self.k_scale = self.v_scale = 1.0
+
+    @property
+    def input_projection(self) -> nn.Linear:
+        return self.kv_a_proj_with_mqa
+
+    def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> AttentionSpec:
+        del state_dtype
+        return AttentionSpec(num_kv_heads=self.num_heads, head_dim=self.head_dim, dtype=dtype)
+
+    def _pad(self, x: torch.Tensor) -> torch.Tensor:
+        return F.pad(x, (0, self.head_dim - x.shape[-1]))
+
+    def forward(self, hidden: torch.Tensor, step: StepContext, kv_layer: torch.Tensor) -> torch.Tensor:
+        n, m, heads = hidden.shape[0], self.mla, self.num_heads
+        if m.q_lora_rank is None:
+            query = module_linear(self.q_proj, hidden)
+        else:
+            query = module_linear(self.q_b_proj, self.q_a_layernorm(module_linear(self.q_a_proj, hidden)))
+        latent, k_shared = module_linear(self.kv_a_proj_with_mqa, hidden).split(
+            [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        kv = module_linear(self.kv_b_proj, self.kv_a_layernorm(latent)).view(n, heads, -1)
+        k_nope, value = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        key = torch.cat([k_nope, k_shared[:, None].expand(n, heads, m.qk_rope_head_dim)], dim=-1)
+        query = self._pad(query.view(n, heads, m.qk_head_dim))
+        attn = step.core(functools.partial(self._attend, kv_layer), query, self._pad(key), self._pad(value))
+        return module_linear(self.o_proj, attn[..., : m.v_head_dim].reshape(n, -1))
+
+    def _attend(self, kv_layer: torch.Tensor, step: StepContext, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> torch.Tensor:
+        step.backend.write_kv(kv_layer, key, value, step.batch)
+        return step.backend.attention(query, kv_layer, step.batch, scale=self.mla.qk_head_dim**-0.5)
+
+
+class KimiExpert(nn.Module):
+    """One routed expert under the checkpoints' names w1 (gate), w3 (up), w2 (down); `gate_proj`, `up_proj` and
+    `down_proj` name them as `backend.moe` reads an expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    @property
+    def gate_proj(self) -> nn.Linear:
+        return self.w1
+
+    @property
+    def up_proj(self) -> nn.Linear:
+        return self.w3
+
+    @property
+    def down_proj(self) -> nn.Linear:
+        return self.w2
+
+
+class KimiMoE(nn.Module):
+    """x [N, hidden] -> sum_j w_j expert_j(x) + shared_experts(x): SiLU-gated experts routed by `GroupedTopKRouter`
+    (sigmoid scores + correction bias, groups, fp32), a SiLU-gated shared expert of n_shared_experts x
+    moe_intermediate_size."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c, mlp = config, config.mlp
+        assert mlp.grouped_routing is not None
+        self.gate = GroupedTopKRouter(c.hidden_size, mlp.num_experts, mlp.num_experts_per_tok, mlp.grouped_routing,
+                                      mlp.norm_topk_prob)
+        self.experts = nn.ModuleList(KimiExpert(c.hidden_size, mlp.moe_intermediate_size)
+                                     for _ in range(mlp.num_experts))
+        self.shared_experts = (MLP(c.hidden_size, mlp.shared_expert_intermediate_size)
+                               if mlp.shared_expert_intermediate_size else None)
+
+    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        top_weights, top_ids = self.gate(x)  # float32 weights
+        routed = step.backend.moe(x, top_weights, top_ids, self.experts)
+        return routed if self.shared_experts is None else routed + self.shared_experts(x, step)
+
+
+class KimiLinearForCausalLM(HybridCausalLM):
+    supported_model_types = ("kimi_linear",)
+    supports_fp8 = False
+    single_rank_reason = "its KDA, MLA and MoE layers are not split across ranks yet"
+
+    def _layer(self, layer_id: int) -> nn.Module:
+        c = self.config
+        if c.layer_types[layer_id] is LayerKind.LINEAR_ATTENTION:
+            d = c.gated_delta
+            mixer: nn.Module = KimiDeltaAttention(c.hidden_size, num_heads=d.num_v_heads, head_dim=d.k_head_dim,
+                                                  conv_kernel_size=d.conv_kernel_size, eps=c.rms_norm_eps)
+        else:
+            assert c.mla is not None
+            mixer = KimiMLA(c.hidden_size, c.attention.num_heads, c.mla, c.rms_norm_eps)
+        moe = c.is_moe_layer(layer_id)
+        mlp = KimiMoE(c) if moe else MLP(c.hidden_size, c.mlp.intermediate_size)
+        return DecoderLayer("self_attn", mixer, mlp, c.hidden_size, c.rms_norm_eps, norm=RMSNorm,
+                            mlp_name="block_sparse_moe" if moe else "mlp")
+
+    def _norm(self, dim: int) -> nn.Module:
+        return RMSNorm(dim, self.config.rms_norm_eps)

@@ -1,0 +1,141 @@
+"""Kimi Linear (`KimiLinearForCausalLM`) vs transformers on tiny random models (KDA layers with a per-channel
+decay, MLA without rotary embedding, with and without q_lora, dense first layers then MoE blocks routed by groups with
+a nonzero correction bias), fp32, loaded from the released checkpoints' tensor names; the per-channel gated delta
+rule against transformers' KDA functions; config parsing and refusals.
+
+Every model comparison: rel_err = max|ours - hf| / max|hf| <= 1e-4, with hf = transformers' full forward over the
+whole sequence (explicit position_ids), read at the positions our step computed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridcache.kernels.gated_delta import reference as delta_ref
+from hybridcache.layers.parallel import TensorParallel
+from hybridcache.models import ModelConfig, get_model_class
+from hybridcache.models.config import LayerKind
+
+from .kimi_helpers import TINY_KIMI, VARIANTS, make_kimi_pair
+from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file's `pair`
+    test_decode_after_prefill_matches_full_and_incremental_forward,
+    test_mixed_batch_of_prefill_chunks_and_decodes,
+    test_single_prefill_and_chunked_prefill,
+    test_the_comparison_notices_a_lost_recurrent_state,
+)
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))
+def pair(request):
+    return make_kimi_pair(request.param)
+
+
+def _raw(variant: str = "moe-groups", **overrides) -> dict:
+    return {**TINY_KIMI, **VARIANTS[variant], "model_type": "kimi_linear", **overrides}
+
+
+def _kda_inputs(seed: int, length: int = 157, heads: int = 2, k_dim: int = 16, v_dim: int = 12):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(length, heads, k_dim, generator=g), torch.randn(length, heads, k_dim, generator=g)
+    v = torch.randn(length, heads, v_dim, generator=g)
+    decay = -torch.rand(length, heads, k_dim, generator=g) * 2  # per channel, some near 0 (slow), some fast
+    beta = torch.rand(length, heads, generator=g)
+    state = torch.randn(heads, k_dim, v_dim, generator=g)
+    return q, k, v, decay, beta, state
+
+
+def test_per_channel_rule_matches_transformers_kda():
+    """The reference's chunked and recurrent forms with g [T, H, K] equal transformers' chunk / recurrent KDA
+    (from a nonzero state, 157 tokens), and its decode step their one-token form."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as hf
+
+    q, k, v, g, beta, state = _kda_inputs(0)
+    ref, ref_state = hf.chunk_kimi_delta_attention(q[None], k[None], v[None], g[None], beta[None],
+                                                   initial_state=state[None], output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=True)
+    for rule in (delta_ref.chunk_gated_delta_rule, delta_ref.recurrent_gated_delta_rule):
+        out, final = rule(q, k, v, g, beta, state)
+        assert torch.allclose(out, ref[0], atol=2e-5, rtol=1e-4), rule.__name__
+        assert torch.allclose(final, ref_state[0], atol=2e-5, rtol=1e-4), rule.__name__
+    out, final = delta_ref.gated_delta_rule_step(q[:3], k[:3], v[:3], g[:3], beta[:3], state.expand(3, -1, -1, -1))
+    one, one_state = hf.recurrent_kimi_delta_attention(q[None, :1], k[None, :1], v[None, :1], g[None, :1],
+                                                       beta[None, :1], initial_state=state[None],
+                                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert torch.allclose(out[0], one[0, 0], atol=1e-5) and torch.allclose(final[0], one_state[0], atol=1e-5)
+
+
+def test_per_channel_rule_continues_across_chunks_and_differs_from_per_head():
+    """Split at uneven points, the chunked rule continues from its own final state to the whole run's output; a
+    per-head g (the channel mean) gives another result (the per-channel path is taken)."""
+    q, k, v, g, beta, state = _kda_inputs(1)
+    whole, final = delta_ref.chunk_gated_delta_rule(q, k, v, g, beta, state)
+    carried, pieces = state, []
+    for rows in (slice(0, 37), slice(37, 101), slice(101, 157)):
+        out, carried = delta_ref.chunk_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], carried)
+        pieces.append(out)
+    assert torch.allclose(torch.cat(pieces), whole, atol=2e-5) and torch.allclose(carried, final, atol=2e-5)
+    per_head, _ = delta_ref.chunk_gated_delta_rule(q, k, v, g.mean(-1), beta, state)
+    assert (per_head - whole).abs().max() > 1e-2
+
+
+def test_layers_and_states(pair):
+    """KDA layers hold conv [3 H K, W-1] and ssm [H, K, K]; MLA layers paged KV of every head at the padded
+    power-of-two head dim; MoE blocks from first_k_dense_replace on."""
+    config = pair.ours.config
+    specs = pair.ours.state_specs(torch.float32, torch.float32)
+    d, mla = config.gated_delta, config.mla
+    for layer_id, kind in enumerate(config.layer_types):
+        layer = pair.ours.model.layers[layer_id]
+        if kind is LayerKind.LINEAR_ATTENTION:
+            shapes = {t.name: t.shape for t in specs[layer_id].tensors}
+            assert shapes == {"conv": (3 * d.num_v_heads * d.k_head_dim, d.conv_kernel_size - 1),
+                              "ssm": (d.num_v_heads, d.k_head_dim, d.k_head_dim)}
+        else:
+            assert (specs[layer_id].num_kv_heads, specs[layer_id].head_dim) == (config.attention.num_heads, 32)
+            assert mla.cache_head_dim == 32 >= max(mla.qk_head_dim, mla.v_head_dim)
+        assert (layer.mlp_name == "block_sparse_moe") == config.is_moe_layer(layer_id)
+
+
+def test_config_reads_the_released_layout():
+    """The released config.json's spellings: 1-based kda_layers / full_attn_layers, num_experts,
+    num_experts_per_token, num_shared_experts, moe_renormalize, num_expert_group, model_max_length."""
+    raw = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 163840,
+           "hidden_size": 2304, "num_hidden_layers": 27, "num_attention_heads": 32, "num_key_value_heads": 32,
+           "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1, "moe_renormalize": True,
+           "num_expert_group": 1, "topk_group": 1, "routed_scaling_factor": 2.446, "model_max_length": 1048576,
+           "first_k_dense_replace": 1, "moe_layer_freq": 1, "mla_use_nope": True, "num_nextn_predict_layers": 0,
+           "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+           "v_head_dim": 128, "linear_attn_config": {
+               "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4,
+               "kda_layers": [i for i in range(1, 27) if i % 4], "full_attn_layers": [4, 8, 12, 16, 20, 24, 27]}}
+    c = ModelConfig.from_dict(raw)
+    assert c.attention_layer_ids == (3, 7, 11, 15, 19, 23, 26) and c.num_linear_layers == 20
+    assert (c.attention.head_dim, c.attention.use_rope, c.attention.softmax_scale) == (256, False, 192**-0.5)
+    assert c.mlp.moe_layer_ids == tuple(range(1, 27)) and c.mlp.num_experts == 256
+    assert c.mlp.num_experts_per_tok == 8 and c.mlp.shared_expert_intermediate_size == 1024
+    assert c.mlp.grouped_routing.scaling_factor == 2.446 and c.max_position_embeddings == 1048576
+    assert (c.gated_delta.num_v_heads, c.gated_delta.k_head_dim, c.gated_delta.conv_kernel_size) == (32, 128, 4)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"mla_use_nope": False}, "mla_use_nope false"),
+    ({"num_nextn_predict_layers": 1}, "MTP"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"moe_router_activation_func": "softmax"}, "moe_router_activation_func"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads 2 must equal"),
+    ({"num_expert_group": 3}, "num_expert_group 3 must divide"),
+    ({"topk_group": 5, "num_expert_group": 4}, "topk_group 5"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"linear_attn_config": {"kda_layers": [1, 2], "full_attn_layers": [3], "num_heads": 2, "head_dim": 16}},
+     "must name each of the 6 layers"),
+])
+def test_config_refusals(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict(_raw(**overrides))
+
+
+def test_tensor_parallel_is_refused():
+    config = ModelConfig.from_dict(_raw())
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        get_model_class("KimiLinearForCausalLM")(config, TensorParallel(rank=0, size=2))
