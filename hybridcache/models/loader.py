@@ -114,6 +114,10 @@ RENAMED_SUFFIXES = (  # Granite's MoE block (and its FP8 scales) and OLMo Hybrid
     (".self_attn.forget_gate.f_b_proj.weight", ".self_attn.f_b_proj.weight"),
     (".self_attn.forget_gate.dt_bias", ".self_attn.dt_bias"),
     (".self_attn.forget_gate.A_log", ".self_attn.A_log"),
+    # (and its dense layers' MLP as transformers' `save_pretrained` writes it, block_sparse_moe for mlp)
+    (".block_sparse_moe.gate_proj.weight", ".mlp.gate_proj.weight"),
+    (".block_sparse_moe.up_proj.weight", ".mlp.up_proj.weight"),
+    (".block_sparse_moe.down_proj.weight", ".mlp.down_proj.weight"),
     (".self_attn.out_proj.weight", ".self_attn.o_proj.weight"),
     (".self_attn.q_layernorm.weight", ".self_attn.q_norm.weight"),
     (".self_attn.k_layernorm.weight", ".self_attn.k_norm.weight"),
