@@ -111,7 +111,8 @@ def sweep_gdn(seqs: int) -> list[dict]:
             q, k, v, a, b, out, pool, slots[i], ctx, a_log, dt_bias, DK**-0.5,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
             out.stride(0), out.stride(1), pool.stride(0), pool.stride(1), pool.stride(2),
-            RATIO=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, L2NORM=True, GATES=True, STREAM=stream, num_warps=warps,
+            RATIO=HV // HK, DK=DK, DV=DV, BLOCK_K=DK, BLOCK_V=block_v, L2NORM=True, GATES=True, STREAM=stream,
+            num_warps=warps,
             **pdl.options(q))
 
     snapshot = pool.clone()

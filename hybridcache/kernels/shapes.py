@@ -39,14 +39,20 @@ def refuse(backend: str, problems: list[str]) -> None:
         raise UnsupportedModelError(f"the {backend} kernel backend cannot run this model: " + "; ".join(problems))
 
 
+# fla's chunked gated delta rule (the CUDA prefill) keeps the state in 64-row blocks of the key dim, at most four
+# (fla 0.6, `chunk_gated_delta_rule_fwd_h` asserts it); its other kernels and ours take any key and value head dim
+FLA_MAX_KEY_HEAD_DIM = 256
+
+
 def cuda_problems(shapes: ModelShapes) -> list[str]:
-    """What `CudaBackend`'s own kernels (not its attention backend's) cannot run: the Triton DeltaNet decode step
-    needs power-of-two key and value head dims, the rotary kernel an even rotary dim at most the head dim, the
+    """What `CudaBackend`'s own kernels (not its attention backend's) cannot run: fla's chunked DeltaNet prefill
+    takes key head dims up to 256 (the Triton decode step and verify kernels take any head dims, their tiles
+    rounded up to powers of two and masked), the rotary kernel needs an even rotary dim at most the head dim, the
     grouped MoE sorts expert ids as int16."""
     problems = []
-    for name, dim in (("key", shapes.delta_key_head_dim), ("value", shapes.delta_value_head_dim)):
-        if dim is not None and not is_power_of_two(dim):
-            problems.append(f"the DeltaNet {name} head dim is {dim}, and the Triton decode step needs a power of two")
+    if shapes.delta_key_head_dim is not None and shapes.delta_key_head_dim > FLA_MAX_KEY_HEAD_DIM:
+        problems.append(f"the DeltaNet key head dim is {shapes.delta_key_head_dim}, and fla's chunked prefill kernel "
+                        f"takes at most {FLA_MAX_KEY_HEAD_DIM}")
     if shapes.rotary_dim is not None and shapes.attention_head_dim is not None and (
         shapes.rotary_dim % 2 or shapes.rotary_dim > shapes.attention_head_dim
     ):

@@ -24,10 +24,10 @@ from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on th
 
 def write_tiny_olmo(path: Path, variant: str, seed: int = 0) -> Path:
     """A tiny random OLMo Hybrid folder over the byte tokenizer's 320 ids (transformers `save_pretrained`, which writes
-    the conv as the checkpoints' q_conv1d / k_conv1d / v_conv1d). The DeltaNet head dims are powers of two (16 and
-    32; "rope-bias" would derive 12 and 24), which the CUDA backend's Triton decode step needs
-    (`kernels.shapes.cuda_problems`) for the CUDA check here."""
-    dims = {"linear_key_head_dim": 16, "linear_value_head_dim": 32}
+    the conv as the checkpoints' q_conv1d / k_conv1d / v_conv1d). The DeltaNet head dims: "nope-gva" 16 and 32
+    (powers of two), "rope-bias" transformers' derived 12 and 24 (not, as the 7B's 96 / 192: the CUDA check here runs
+    the step and verify kernels' padded, masked tiles)."""
+    dims = {"linear_key_head_dim": 16, "linear_value_head_dim": 32} if variant == "nope-gva" else {}
     return write_tiny_folder(olmo_model(variant, seed, vocab_size=320, eos_token_id=258, **dims), path)
 
 

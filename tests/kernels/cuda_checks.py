@@ -595,3 +595,88 @@ def check_verify(dtype: torch.dtype, device: torch.device, *, states_only: bool,
     elif out is not None:
         raise AssertionError("states-only mode returned outputs")
     return stats
+
+
+def _nan_padded(x: torch.Tensor, pad: int) -> torch.Tensor:
+    """x [..., D] as a view (unit stride on D) of a buffer whose rows are D + pad wide, the last `pad` entries NaN."""
+    buf = torch.full((*x.shape[:-1], x.shape[-1] + pad), float("nan"), dtype=x.dtype, device=x.device)
+    buf[..., : x.shape[-1]] = x
+    return buf[..., : x.shape[-1]]
+
+
+def check_head_padding(device: torch.device, dims: tuple[int, int], heads: tuple[int, int] = (1, 2),
+                       seed: int = 0) -> dict[str, ErrorStats | bool]:
+    """The step and verify kernels at head dims whose tiles are padded (Dk or Dv not a power of two; the tiles are
+    `triton_step.head_tiles`), with NaN in the memory their padded lanes address: q, k and v head rows are
+    followed by a tile's width of NaN, so are the step pool's state rows (a view of a NaN-padded buffer) and its
+    key rows (NaN rows after the Dk real ones), and the verify pool's rows are NaN but for its history states (its
+    rows written are even, so an odd row follows each: a padded lane past a row's last head lands in NaN). A padded lane
+    read unmasked puts NaN into the outputs or states (`error_stats` gives inf); one written unmasked overwrites
+    NaN padding (`*_padding_kept` False). Also fresh sequences, history states and drafts 0-2, in fp32."""
+    import triton
+
+    from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
+    from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
+
+    gen = torch.Generator().manual_seed(seed)
+    hv, (dk, dv) = heads[1], dims
+    pad_k, pad_v = triton.next_power_of_2(dk), triton.next_power_of_2(dv)  # (past any tile's overhang)
+
+    # the step kernel: 4 sequences (two fresh), states in a NaN-padded view
+    q, k, v, g, beta = _gdn_inputs(4, heads, dims, torch.float32, device, gen)
+    context_lens = torch.tensor([1, 9, 1, 40], dtype=torch.int32, device=device)
+    slots = torch.tensor([5, 0, 2, 3], device=device)
+    states = (0.1 * torch.randn(6, hv, dk, dv, generator=gen)).to(device)
+    buf = torch.full((6, hv, dk + pad_k, dv + pad_v), float("nan"), device=device)
+    pool = buf[:, :, :dk, :dv]
+    pool.copy_(states)
+    out = gated_delta_rule_decode(_nan_padded(q, pad_k), _nan_padded(k, pad_k), _nan_padded(v, pad_v), g, beta, pool,
+                                  slots, context_lens)
+    initial = states[slots].masked_fill((context_lens == 1)[:, None, None, None], 0.0)
+    ref_out, ref_state = delta_ref.gated_delta_rule_step(q, k, v, g, beta, initial)
+    padding = torch.ones(buf.shape, dtype=torch.bool, device=device)
+    padding[:, :, :dk, :dv] = False
+    stats: dict[str, ErrorStats | bool] = {
+        "step_out": error_stats(out, ref_out),
+        "step_state": error_stats(pool[slots], ref_state),
+        "step_padding_kept": bool(buf[padding].isnan().all()),
+    }
+
+    # the verify kernel: 3 sequences of 1 + drafts tokens; every pool row NaN but the two history states (rows 0 and
+    # 2; the fresh sequence's slot 4 stays NaN: it must not be read), the rows written even
+    drafts, history = [2, 0, 1], [150, 7, 0]
+    lengths = [1 + n for n in drafts]
+    q, k, v, g, beta = _gdn_inputs(sum(lengths), heads, dims, torch.float32, device, gen)
+    num_rows = 2 * (3 + 3 * 2) + 1
+    pool = torch.full((num_rows, hv, dk, dv), float("nan"), device=device)
+    slots = torch.tensor([0, 2, 4], device=device)
+    table = torch.tensor([[6, 8], [10, 12], [14, 16]], device=device)
+    for i, hist in enumerate(history):
+        if hist:
+            hq, hk, hv_, hg, hb = _gdn_inputs(hist, heads, dims, torch.float32, torch.device("cpu"), gen)
+            pool[slots[i]] = delta_ref.chunk_gated_delta_rule(hq, hk, hv_, hg, hb)[1].to(device)
+    before = pool.clone()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
+    context = torch.tensor([h + n for h, n in zip(history, lengths, strict=True)], device=device)
+    num_drafts = torch.tensor(drafts, dtype=torch.int32, device=device)
+    out = gated_delta_rule_verify(_nan_padded(q, pad_k), _nan_padded(k, pad_k), _nan_padded(v, pad_v), g, beta, pool,
+                                  slots, cu, context, table, num_drafts, states_only=False)
+    got_out, ref_out, got_states, ref_states, written = [], [], [], [], []
+    for i, n in enumerate(drafts):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        initial = before[slots[i]] if history[i] else torch.zeros_like(before[slots[i]])
+        ref, after = delta_ref.gated_delta_rule_verify(q[rows], k[rows], v[rows], g[rows], beta[rows], initial)
+        got_out.append(out[rows])
+        ref_out.append(ref)
+        targets = [*table[i, :n].tolist(), int(slots[i])]
+        got_states.append(pool[targets])
+        ref_states.append(torch.cat([after[:n], after[-1:]]))
+        written += targets
+    unwritten = torch.ones(num_rows, dtype=torch.bool, device=device)
+    unwritten[written] = False
+    stats.update({
+        "verify_out": error_stats(torch.cat(got_out), torch.cat(ref_out)),
+        "verify_states": error_stats(torch.cat(got_states), torch.cat(ref_states)),
+        "verify_padding_kept": bool(pool[unwritten].isnan().all()),  # (the NaN rows and the unused draft rows)
+    })
+    return stats

@@ -189,15 +189,15 @@ def test_interpreted_sigmoid_mul(rows: int, heads: int, head_dim: int, dtype: to
     check_sigmoid_mul(rows, heads, head_dim, dtype, "cpu", 2 * ULP[dtype])
 
 
-def check_step_gates(dtype: torch.dtype, device: str, exact: bool) -> None:
+def check_step_gates(dtype: torch.dtype, device: str, exact: bool, dims: tuple[int, int] = (32, 64)) -> None:
     """The decode step kernel making the gates from a, b (`gates=`) against `delta_gates` then the same kernel, on
     equal pools: the same outputs and states (bit-for-bit on CUDA: one code for the gates), other slots untouched.
     a, b are strided column slices of one [N, 2 Hv] projection (Qwen3-Next's in_proj_ba); a + dt_bias spans
-    softplus's three regimes; some sequences are fresh (context_len 1)."""
+    softplus's three regimes; some sequences are fresh (context_len 1). `dims`: the key and value head dims."""
     from hybridcache.kernels.gated_delta.triton_gates import delta_gates
     from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 
-    num, hk, hv, dk, dv = 7, 2, 6, 32, 64
+    (num, hk, hv), (dk, dv) = (7, 2, 6), dims
     gen = torch.Generator().manual_seed(11)
     q, k = (torch.randn(num, hk, dk, generator=gen).to(device, dtype) for _ in range(2))
     v = torch.randn(num, hv, dv, generator=gen).to(device, dtype)

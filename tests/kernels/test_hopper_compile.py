@@ -8,6 +8,8 @@ branches keep or drop the code they should."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("triton")
@@ -19,13 +21,13 @@ from hybridcache.kernels.conv.triton import (  # noqa: E402
     _conv_varlen_rows_kernel,
 )
 from hybridcache.kernels.conv.triton_verify import _conv_draft_states_kernel  # noqa: E402
-from hybridcache.kernels.gated_delta import triton_step  # noqa: E402
+from hybridcache.kernels.gated_delta import triton_step, triton_verify  # noqa: E402
 from hybridcache.kernels.gated_delta.triton_step import _gdn_step_kernel  # noqa: E402
 from hybridcache.kernels.gated_delta.triton_verify import _gdn_verify_kernel  # noqa: E402
 from hybridcache.kernels.moe.triton_experts import _expert_gemm_kernel  # noqa: E402
 from tests.kernels.hopper import compile_for_hopper  # noqa: E402
 
-HEADS = dict(RATIO=2, DK=128, BLOCK_V=32)  # 16 key heads, 32 value heads, head dims 128 (Qwen3-Next)
+HEADS = dict(RATIO=2, DK=128, BLOCK_K=128, BLOCK_V=32)  # 16 key heads, 32 value heads, head dims 128 (Qwen3-Next)
 GDN_POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
                 "out_ptr": "*bf16", "slots_ptr": "*i64", "ctx_ptr": "*i32", "alog_ptr": "*bf16", "dt_ptr": "*bf16",
                 "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "conv_ptr": "*bf16", "a_ptr": "*bf16",
@@ -74,13 +76,39 @@ def test_gated_delta_step_streams_its_state_for_hopper():
     assert ptx[True].count("ld.global") == ptx[False].count("ld.global")
 
 
+# An integer compare of a register with an immediate: a lane mask against a head dim (`triton_step.lanes_below`)
+_IMMEDIATE_COMPARE = re.compile(r"setp\.\w+\.[su](?:32|64)\s+%p\d+, %\w+, (\d+);")
+
+
+@pytest.mark.parametrize("kernel", ["step", "verify"])
+def test_gated_delta_lane_masks_only_where_a_tile_passes_the_head_dims(kernel):
+    """Any head dims: the tiles are rounded up to powers of two (`triton_step.head_tiles`) and the lanes past Dk /
+    Dv masked. Olmo-Hybrid-7B's Dk 96 / Dv 192 compiles with its key lanes compared to 96 (its value tiles, 64 or
+    32 wide, end at 192: no value mask); a padded Dv 36 with Dv compares; power-of-two dims with no compare
+    against a head dim at all: their masks fold to constants and vanish (the PTX of the engine's launches at
+    power-of-two dims was the same, debug lines aside, as before the kernels took other dims: session 63)."""
+    step = kernel == "step"
+    launch = _gdn_step_kernel if step else _gdn_verify_kernel
+    table = ({**GDN_POINTERS, "pool_ptr": "*fp32", "g_ptr": "*bf16"} if step else
+             {**GDN_POINTERS, "pool_ptr": "*fp32", "cu_ptr": "*i64", "table_ptr": "*i64", "drafts_ptr": "*i32"})
+    modes = (dict(GATES=True, STREAM=True, V_MAJOR=True) if step else dict(STATES_ONLY=False, ROUND=False))
+    compares = {}
+    for dims in ((96, 192), (128, 36), (128, 256), (64, 64)):
+        block_k, block_v = triton_step.head_tiles(*dims, triton_step._BLOCK_V if step else triton_verify._BLOCK_V)
+        constants = dict(RATIO=1, DK=dims[0], DV=dims[1], BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=True, **modes)
+        ptx = compile_for_hopper(launch, pointers(launch, table), integers(launch), constants,
+                                 floats=("scale",)).asm["ptx"]
+        compares[dims] = {int(n) for n in _IMMEDIATE_COMPARE.findall(ptx)} & {*dims, *(d - 1 for d in dims)}
+    assert compares == {(96, 192): {96}, (128, 36): {36}, (128, 256): set(), (64, 64): set()}
+
+
 @pytest.mark.parametrize("states_only", [False, True], ids=["full", "states_only"])
 @pytest.mark.parametrize("pool", ["fp32", "bf16"])
 def test_gated_delta_verify_compiles_for_hopper(states_only, pool):
     table = {**GDN_POINTERS, "pool_ptr": f"*{pool}", "cu_ptr": "*i64", "table_ptr": "*i64", "drafts_ptr": "*i32"}
+    constants = dict(HEADS, DV=128, L2NORM=True, STATES_ONLY=states_only, ROUND=pool != "fp32")
     compiled = compile_for_hopper(_gdn_verify_kernel, pointers(_gdn_verify_kernel, table),
-                                  integers(_gdn_verify_kernel), dict(HEADS, L2NORM=True, STATES_ONLY=states_only,
-                                                                     ROUND=pool != "fp32"), floats=("scale",))
+                                  integers(_gdn_verify_kernel), constants, floats=("scale",))
     if pool == "fp32":  # the only 16-bit stores are then the bf16 outputs, which states-only mode never writes
         assert ("st.global.b16" in compiled.asm["ptx"]) != states_only
 

@@ -32,21 +32,31 @@ def narrow_value_heads(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("dv24"), "qwen3_next", linear_value_head_dim=24)
 
 
-def test_cuda_checks_refuse_a_24_wide_value_head_at_load(narrow_value_heads, monkeypatch):
-    assert ModelConfig.from_model_dir(narrow_value_heads).gated_delta.v_head_dim == 24
+@pytest.fixture(scope="module")
+def wide_key_heads(tmp_path_factory):
+    """A Qwen3-Next folder whose DeltaNet key heads are 320 wide: past fla's chunked prefill (at most 256)."""
+    return write_tiny_model(tmp_path_factory.mktemp("dk320"), "qwen3_next", linear_key_head_dim=320)
+
+
+def no_weights(*args, **kwargs):
+    raise AssertionError("the weights were loaded before the shapes were checked")
+
+
+def test_cuda_checks_refuse_a_320_wide_key_head_at_load(wide_key_heads, monkeypatch):
+    assert ModelConfig.from_model_dir(wide_key_heads).gated_delta.k_head_dim == 320
     monkeypatch.setattr(rank_runner, "get_backend", lambda device, attention=None: CudaCheckedBackend())
-
-    def no_weights(*args, **kwargs):
-        raise AssertionError("the weights were loaded before the shapes were checked")
-
     monkeypatch.setattr(rank_runner, "load_model", no_weights)
     with pytest.raises(UnsupportedModelError, match="the CUDA kernel backend cannot run this model: the DeltaNet "
-                                                    "value head dim is 24, and the Triton decode step needs a power "
-                                                    "of two"):
-        LLMEngine(narrow_value_heads, CPU)
+                                                    "key head dim is 320, and fla's chunked prefill kernel takes at "
+                                                    "most 256"):
+        LLMEngine(wide_key_heads, CPU)
 
 
-def test_reference_backend_runs_the_same_model(narrow_value_heads):
+def test_cuda_checks_pass_a_24_wide_value_head(narrow_value_heads, monkeypatch):
+    """The Triton decode step and verify kernels take any head dim (tiles padded to a power of two, the lanes past
+    the dim masked): the model loads and serves behind the CUDA checks."""
+    assert ModelConfig.from_model_dir(narrow_value_heads).gated_delta.v_head_dim == 24
+    monkeypatch.setattr(rank_runner, "get_backend", lambda device, attention=None: CudaCheckedBackend())
     engine = LLMEngine(narrow_value_heads, CPU)
     engine.add_request("r", list(range(1, 40)))
     while engine.has_unfinished_requests():
@@ -56,21 +66,35 @@ def test_reference_backend_runs_the_same_model(narrow_value_heads):
 
 
 def test_the_checks_name_every_reason():
-    shapes = ModelShapes(attention_head_dim=96, rotary_dim=25, delta_key_head_dim=128, delta_value_head_dim=24,
+    shapes = ModelShapes(attention_head_dim=96, rotary_dim=25, delta_key_head_dim=320, delta_value_head_dim=24,
                          num_experts=40_000)
     with pytest.raises(UnsupportedModelError) as refused:
         check_cuda_model(shapes, TritonAttention)
     message = str(refused.value)
-    for reason in ("the DeltaNet value head dim is 24", "the rotary dim 25 must be even",
+    for reason in ("the DeltaNet key head dim is 320", "the rotary dim 25 must be even",
                    "40000 experts", "the attention head dim is 96"):
         assert reason in message
-    assert "key head dim" not in message  # 128 is fine
+    assert "value head dim" not in message  # 24 is fine
 
 
-def test_power_of_two_shapes_pass():
+def test_olmo_hybrid_7b_passes_the_cuda_checks():
+    """Olmo-Hybrid-7B's shapes (transformers' `OlmoHybridConfig` defaults, which are the 7B's: hidden 3,840, 30
+    heads, DeltaNet key / value head dims 96 / 192; no RoPE as released), through `model_shapes`."""
+    import transformers
+
+    raw = transformers.OlmoHybridConfig(rope_parameters={"rope_theta": None},
+                                        architectures=["OlmoHybridForCausalLM"]).to_dict()
+    shapes = rank_runner.model_shapes(ModelConfig.from_dict(raw))
+    assert (shapes.attention_head_dim, shapes.delta_key_head_dim, shapes.delta_value_head_dim) == (128, 96, 192)
+    check_cuda_model(shapes, TritonAttention)
+
+
+def test_shapes_that_pass():
     check_cuda_model(ModelShapes(256, 64, 128, 128, num_experts=512), TritonAttention)
     check_cuda_model(ModelShapes(None, None, 128, 128), TritonAttention)  # no attention layers
-    ReferenceBackend().check_model(ModelShapes(96, 25, 24, 24))  # the reference kernels run any shape
+    check_cuda_model(ModelShapes(None, None, 20, 36), TritonAttention)  # any DeltaNet head dims ...
+    check_cuda_model(ModelShapes(None, None, 256, 1000), TritonAttention)  # ... keys up to 256
+    ReferenceBackend().check_model(ModelShapes(96, 25, 320, 24))  # the reference kernels run any shape
 
 
 def test_model_shapes_from_config(narrow_value_heads):

@@ -4,6 +4,13 @@ on random weights (std 1/sqrt(fan_in)), fp32, through the reference backend.
 
 rel_err(a, ref) = max|a - ref| / max|ref|. Several sequences of different lengths in one varlen step from slots that
 hold garbage; a prefill continued from its saved state; decode steps; and the allow_neg_eigval flag both ways.
+
+The same mixer through `CudaBackend` on the CPU (`test_interpreted_cuda_backend_*`, in the child process that
+`test_cuda_backend_in_a_triton_interpreter_subprocess` starts under TRITON_INTERPRET=1): the Triton conv, gates,
+q / k l2norm (`qkv_prep`), decode step and gated norm kernels run interpreted at head dims that are not powers of
+two (OLMo's 12 / 24, and one head of the 7B's 96 / 192); fla's chunked forward, which does not run on the CPU, is
+replaced by the reference rule per sequence (`test_leading_decodes._reference_fla_forward`), so everything around it
+(state gather, fresh rows, a mixed step's leading decode rows, the state scatter) is ours.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ import torch
 from hybridcache.layers.gated_deltanet import SeparateGatedDeltaNet
 from hybridcache.models.random_weights import randomize_
 
+from .interpreter import interpreted_in_child, needs_interpreter
 from .mixer_runner import MixerRunner
+from .test_cuda_kernels import _interpreter_runs_our_kernels
 from .test_mamba2_mixer import rel_err
 
 TOLERANCE = 1e-4
@@ -102,3 +111,38 @@ def test_state_spec_is_qwens():
     conv, ssm = mixer.state_spec(torch.bfloat16, torch.float32).tensors
     assert (conv.name, conv.shape, conv.dtype) == ("conv", (2 * 32 + 32, 3), torch.bfloat16)
     assert (ssm.name, ssm.shape, ssm.dtype) == ("ssm", (4, 16, 8), torch.float32)
+
+
+@pytest.mark.skipif(not _interpreter_runs_our_kernels(), reason="this Triton's interpreter cannot run our kernels")
+@interpreted_in_child("interpreted")
+def test_cuda_backend_in_a_triton_interpreter_subprocess() -> None:
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""
+
+
+@needs_interpreter
+@pytest.mark.parametrize("geometry", ["Hk3-Hv3-Dk12-Dv24-K3", "Hk1-Hv1-Dk96-Dv192-K4"])
+@pytest.mark.parametrize("neg_eigval", [True, False], ids=["neg", "pos"])
+def test_interpreted_cuda_backend_equals_transformers(geometry: str, neg_eigval: bool, monkeypatch) -> None:
+    """Prefill chunks, a prefill continued beside a decode row that leads the step (beta in (0, 1): the step kernel
+    makes that row's gates, `fla.mixed_gated_delta_rule`; in (0, 2): the gates, then the rule, fla's for the whole
+    step), then all-decode steps (the step kernel), each against transformers on the whole sequence."""
+    from hybridcache.kernels.attention.triton_backend import TritonAttention
+    from hybridcache.kernels.cuda_backend import CudaBackend
+
+    from .fake_fla import install_fake_fla
+    from .test_leading_decodes import _reference_fla_forward
+
+    install_fake_fla(monkeypatch, _reference_fla_forward)
+    shape = GEOMETRIES.get(geometry) or (1, 1, 96, 192, 4)
+    layer, mixer = hf_layer(*shape, neg_eigval)
+    x, other = inputs(160, seed=5), inputs(158, seed=6)
+    want, want_other = hf_out(layer, x), hf_out(layer, other)
+    runner = MixerRunner(mixer, 2, backend=CudaBackend(TritonAttention()))
+    first, first_other = runner.step([(0, x[:70]), (1, other[:150])])
+    assert rel_err(first, want[:70]) <= TOLERANCE and rel_err(first_other, want_other[:150]) <= TOLERANCE
+    lead, rest = runner.step([(1, other[150:151]), (0, x[70:150])])
+    assert rel_err(lead, want_other[150:151]) <= TOLERANCE and rel_err(rest, want[70:150]) <= TOLERANCE
+    for pos in range(150, 157):  # decode rows
+        ours, ours_other = runner.step([(0, x[pos:pos + 1]), (1, other[pos + 1:pos + 2])])
+        assert rel_err(ours, want[pos:pos + 1]) <= TOLERANCE, pos
+        assert rel_err(ours_other, want_other[pos + 1:pos + 2]) <= TOLERANCE, pos

@@ -80,16 +80,15 @@ def test_interpreted_verify_refuses_bad_shapes() -> None:
     from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
 
     q = torch.zeros(3, 1, 16)
-    v = torch.zeros(3, 2, 24)  # Dv not a power of two
     g = torch.zeros(3, 2)
-    pool = torch.zeros(4, 2, 16, 24)
     one = torch.zeros(1, dtype=torch.int64)
-    with pytest.raises(ValueError, match="powers of two"):
-        gated_delta_rule_verify(q, q, v, g, g, pool, one, torch.tensor([0, 3]), one, torch.zeros(1, 1).long(),
-                                torch.zeros(1, dtype=torch.int32), states_only=False)
+    v = torch.zeros(3, 2, 16)
+    with pytest.raises(ValueError, match="ssm_pool"):  # the pool's head dims must be q's and v's
+        gated_delta_rule_verify(q, q, v, g, g, torch.zeros(4, 2, 16, 24), one, torch.tensor([0, 3]), one,
+                                torch.zeros(1, 1).long(), torch.zeros(1, dtype=torch.int32), states_only=False)
     from hybridcache.kernels.conv.triton_verify import conv_draft_states
 
-    v, pool = torch.zeros(3, 2, 16), torch.zeros(4, 2, 16, 16)
+    pool = torch.zeros(4, 2, 16, 16)
     int32_table = torch.zeros(1, 1, dtype=torch.int32)  # must be int64 (`varlen.check_verify_rows`)
     with pytest.raises(ValueError, match="int64"):
         gated_delta_rule_verify(q, q, v, g, g, pool, one, torch.tensor([0, 3]), one, int32_table,
