@@ -67,11 +67,12 @@ Jamba (`jamba`): Mamba1 layers (`LayerKind.MAMBA1`, the `Mamba1Config` group: `m
 `mamba_d_state`, `mamba_dt_rank` ("auto": ceil(hidden_size / 16)), `mamba_d_conv`, `mamba_conv_bias`,
 `mamba_proj_bias`) and attention layers without RoPE where i % attn_layer_period == attn_layer_offset (a written
 `layers_block_type`, which transformers ignores, must agree); a SiLU-gated MLP of `intermediate_size` after every
-mixer, or, where i % expert_layer_period == expert_layer_offset and `num_experts` > 1, `num_experts` routed experts of
-that width (top `num_experts_per_tok` of the softmax, not renormalised); `head_dim` read where written, else
-hidden_size / num_attention_heads. Refused: an offset not below its period, `attention_bias` true,
-`mamba_inner_layernorms` false, another activation; `use_mamba_kernels` and `sliding_window` (transformers' Jamba reads
-neither) are not read.
+mixer, or, where i % expert_layer_period == expert_layer_offset and `num_experts` > 1, `num_experts` (or its alias
+`num_local_experts`, as JambaConfig maps it) routed experts of that width (top `num_experts_per_tok` of the softmax,
+not renormalised); `head_dim` read where written, else hidden_size / num_attention_heads. Refused: an offset not below
+its period, `attention_bias` true, `mamba_inner_layernorms` false, another activation, `num_local_experts` and
+`num_experts` both written and different; `use_mamba_kernels` and `sliding_window` (transformers' Jamba reads neither)
+are not read.
 A malformed file (not JSON, not an object, a field of the wrong type, a count of 0 that would divide) is a
 `ValueError` naming config.json and the field.
 """
@@ -529,6 +530,8 @@ class ModelConfig:
         bamba, falcon = model_type == "bamba", model_type == "falcon_h1"
         if nemotron:
             text = _nemotron_section(text)
+        if jamba:
+            text = _jamba_section(text)
         if bamba:  # (BambaConfig sets partial_rotary_factor 0.5 over the top-level one; rope_parameters' wins)
             text = {**text, "partial_rotary_factor": None}
         fields = _Fields(text, _derived_defaults(model_type, text))
@@ -1127,6 +1130,19 @@ def _period_layers(fields: _Fields, name: str, num_layers: int) -> tuple[int, ..
     if offset >= period:
         raise ValueError(f"config.json {name}_layer_offset {offset} must be smaller than {name}_layer_period {period}")
     return tuple(i for i in range(num_layers) if i % period == offset)
+
+
+def _jamba_section(text: Mapping[str, Any]) -> dict[str, Any]:
+    """Jamba's config.json fields under the names `JambaConfig` keeps: `num_local_experts` (its attribute_map's alias)
+    is `num_experts`; both written and different is refused (transformers would keep one of them silently)."""
+    section = dict(text)
+    if "num_local_experts" in section:
+        alias = section.pop("num_local_experts")
+        if "num_experts" in section and section["num_experts"] != alias:
+            raise ValueError(f"config.json num_local_experts {alias!r} and num_experts {section['num_experts']!r} "
+                             "disagree (JambaConfig reads num_local_experts as num_experts): write one of them")
+        section["num_experts"] = alias
+    return section
 
 
 def _jamba_layout(fields: _Fields) -> tuple[list[str], tuple[int, ...]]:

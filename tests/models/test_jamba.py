@@ -172,6 +172,33 @@ def test_folder_loads_from_the_checkpoint_tensor_names(variant, tmp_path):
     assert rel_err(logits, want) <= TOLERANCE
 
 
+def test_num_local_experts_is_read_as_transformers_reads_it(tmp_path):
+    """`num_local_experts` is JambaConfig's alias of `num_experts` (its attribute_map): a config.json writing it gets
+    that many experts, as transformers builds (not the default 16); one writing both, different, is refused."""
+    import json
+
+    import transformers
+
+    raw = jamba_config("moe").to_dict()
+    raw["num_local_experts"] = raw.pop("num_experts")
+    assert raw["num_local_experts"] == 4
+    assert ModelConfig.from_dict(raw).mlp.num_experts == transformers.JambaConfig(**raw).num_experts == 4
+    assert ModelConfig.from_dict({**raw, "num_experts": 4}).mlp.num_experts == 4
+    with pytest.raises(ValueError, match="num_local_experts 4 and num_experts 16 disagree"):
+        ModelConfig.from_dict({**raw, "num_experts": 16})
+    hf = jamba_model("moe")
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours = load_model(tmp_path)
+    assert ours.config.mlp.num_experts == 4
+    tokens = random_tokens(40, seed=9)
+    (logits,) = PagedRunner(ours, 16, 8).step([(0, tokens)])
+    reloaded = transformers.JambaForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        want = reloaded(input_ids=torch.tensor([tokens]), position_ids=torch.arange(40)[None]).logits[0]
+    assert rel_err(logits, want) <= TOLERANCE
+
+
 def test_the_comparison_notices_renormalised_routing(monkeypatch):
     """Routing that renormalises the top-k weights (Qwen's, Granite's) moves the MoE model's logits well past the
     tolerance: the comparisons above check that Jamba's are left as the softmax gives them."""
