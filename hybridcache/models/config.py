@@ -71,7 +71,8 @@ mixer, or, where i % expert_layer_period == expert_layer_offset and `num_experts
 `num_local_experts`, as JambaConfig maps it) routed experts of that width (top `num_experts_per_tok` of the softmax,
 not renormalised); `head_dim` read where written, else hidden_size / num_attention_heads. Refused: an offset not below
 its period, `attention_bias` true, `mamba_inner_layernorms` false, another activation, `num_local_experts` and
-`num_experts` both written and different; `use_mamba_kernels` and `sliding_window` (transformers' Jamba reads neither)
+`num_experts` both written and different, a null where JambaConfig requires a value (`num_key_value_heads`,
+`rms_norm_eps`, ...: `_JAMBA_NOT_NULL`); `use_mamba_kernels` and `sliding_window` (transformers' Jamba reads neither)
 are not read.
 A malformed file (not JSON, not an object, a field of the wrong type, a count of 0 that would divide) is a
 `ValueError` naming config.json and the field.
@@ -1132,9 +1133,25 @@ def _period_layers(fields: _Fields, name: str, num_layers: int) -> tuple[int, ..
     return tuple(i for i in range(num_layers) if i % period == offset)
 
 
+# The Jamba fields read here that `JambaConfig` (transformers' strict dataclass) types without None: written null, it
+# refuses the file (`num_local_experts`, its alias of num_experts, leaves no expert count), so they are refused here
+# rather than read as their defaults.
+_JAMBA_NOT_NULL = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+    "hidden_act", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "num_experts", "num_local_experts",
+    "num_experts_per_tok", "expert_layer_period", "expert_layer_offset", "attn_layer_period", "attn_layer_offset",
+    "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_dt_rank", "mamba_conv_bias", "mamba_proj_bias",
+)
+
+
 def _jamba_section(text: Mapping[str, Any]) -> dict[str, Any]:
     """Jamba's config.json fields under the names `JambaConfig` keeps: `num_local_experts` (its attribute_map's alias)
-    is `num_experts`; both written and different is refused (transformers would keep one of them silently)."""
+    is `num_experts`; both written and different is refused (transformers would keep one of them silently). A field
+    of `_JAMBA_NOT_NULL` written null is refused, naming it (leaving it out takes JambaConfig's default)."""
+    nulls = [key for key in _JAMBA_NOT_NULL if key in text and text[key] is None]
+    if nulls:
+        raise ValueError(f"config.json {', '.join(nulls)} {'is' if len(nulls) == 1 else 'are'} null: transformers' "
+                         "JambaConfig requires a value (leave a field out for its default)")
     section = dict(text)
     if "num_local_experts" in section:
         alias = section.pop("num_local_experts")

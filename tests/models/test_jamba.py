@@ -135,6 +135,49 @@ def test_config_refuses_what_it_cannot_run(field, value, message):
         ModelConfig.from_dict(raw)
 
 
+# the fields read for Jamba that JambaConfig requires a value of (`config._JAMBA_NOT_NULL`)
+NOT_NULL = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+    "hidden_act", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "num_experts", "num_local_experts",
+    "num_experts_per_tok", "expert_layer_period", "expert_layer_offset", "attn_layer_period", "attn_layer_offset",
+    "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_dt_rank", "mamba_conv_bias", "mamba_proj_bias",
+)
+
+
+@pytest.mark.parametrize("field", NOT_NULL)
+def test_config_refuses_the_nulls_jambaconfig_refuses(field):
+    """A field JambaConfig types without None, written null, is refused naming it (not read as its default: a null
+    num_key_value_heads was 8, rms_norm_eps 1e-6), as transformers' strict JambaConfig refuses it (a null
+    `num_local_experts`, its alias, leaves it no expert count)."""
+    import transformers
+
+    raw = {**jamba_config("moe").to_dict(), field: None}
+    if field == "num_local_experts":
+        assert transformers.JambaConfig(**raw).num_experts is None
+    else:
+        with pytest.raises(Exception, match=field):
+            transformers.JambaConfig(**raw)
+    with pytest.raises(ValueError, match=f"config.json {field} is null: transformers' JambaConfig requires a value"):
+        ModelConfig.from_dict(raw)
+
+
+def test_every_default_jambaconfig_requires_is_refused_when_null():
+    """Each JambaConfig field with a default here (`_DEFAULTS["jamba"]`) whose type excludes None is refused null
+    (`_JAMBA_NOT_NULL`, the fields tested above); a null head_dim (no JambaConfig field) still means hidden_size /
+    num_attention_heads."""
+    import dataclasses
+
+    import transformers
+
+    from hybridcache.models.config import _DEFAULTS, _JAMBA_NOT_NULL
+
+    assert _JAMBA_NOT_NULL == NOT_NULL
+    required = {f.name for f in dataclasses.fields(transformers.JambaConfig) if "None" not in str(f.type)}
+    assert required & set(_DEFAULTS["jamba"]) <= set(NOT_NULL)
+    assert set(NOT_NULL) - {"num_local_experts"} <= required
+    assert ModelConfig.from_dict({**jamba_config("moe").to_dict(), "head_dim": None}).attention.head_dim == 16
+
+
 def test_tensor_parallelism_and_fp8_are_refused_with_a_clear_error(tmp_path):
     config = ModelConfig.from_dict(jamba_config("moe").to_dict())
     with pytest.raises(ValueError, match="tensor parallelism"):
