@@ -15,18 +15,21 @@ prompts of the same salt (none: with unsalted ones). See docs/cache.md, "Cache s
 
 from __future__ import annotations
 
-import atexit
 import functools
 import signal
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from hybridcache.engine.engine import LLMEngine, ValidPrompt, check_cache_salt  # (the engine's rule for its cache_salt)
+from hybridcache.engine.engine import (
+    LLMEngine,
+    ValidPrompt,
+    check_cache_salt,  # (the engine's rule for its cache_salt)
+    close_at_exit,
+)
 from hybridcache.engine_args import MODEL_OPTIONS, resolve_engine_config
 from hybridcache.generation_config import GenerationConfigSource, SamplingDefaults
 from hybridcache.images import ImageError, media_limits
@@ -41,14 +44,6 @@ if TYPE_CHECKING:
 
 Prompt = str | list[int] | dict
 Message = dict[str, object]
-
-
-def _close_at_exit(engine: weakref.ref[LLMEngine]) -> None:
-    """Close an `LLM`'s engine that is still alive at the interpreter's exit (`close` is idempotent). A weak
-    reference: `LLM(...).engine` is a user's engine, kept while they hold it, not closed with its wrapper."""
-    alive = engine()
-    if alive is not None:
-        alive.close()
 
 
 class LLM:
@@ -82,7 +77,9 @@ class LLM:
         self.model_name = resolved.name
         self.sampling_defaults = SamplingDefaults.from_model_dir(resolved.path, generation_config)
         self.engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, engine_options))
-        atexit.register(_close_at_exit, weakref.ref(self.engine))
+        # closed at the interpreter's exit if still open then; a weak reference: `LLM(...).engine` is a user's
+        # engine, kept while they hold it, not closed with its wrapper
+        close_at_exit(self.engine)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 

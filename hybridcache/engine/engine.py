@@ -37,12 +37,15 @@ and its sampling queued (`_Launched.logits`, `_sample_deferred`)::
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import itertools
 import logging
 import os
 import random
+import sys
+import weakref
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,8 +214,27 @@ def _speculative_tokens(config: EngineConfig) -> int:
     return config.speculative_config.num_speculative_tokens if config.speculative_config is not None else 0
 
 
+def close_at_exit(engine: LLMEngine) -> None:
+    """Close `engine` at the interpreter's exit if it is still open then (an atexit handler, holding a weak
+    reference: it keeps nothing alive), before the interpreter finalizes, while the disk writer thread and torch
+    still run; once per engine. Every engine with a disk tier registers itself (so that one never closed still
+    hands its cache to the disk tier), and `LLM` its engine."""
+    if getattr(engine, "_closes_at_exit", False):
+        return
+    engine._closes_at_exit = True
+    atexit.register(_close_if_alive, weakref.ref(engine))
+
+
+def _close_if_alive(engine: weakref.ref[LLMEngine]) -> None:
+    alive = engine()
+    if alive is not None:
+        alive.close()
+
+
 class LLMEngine:
-    """Continuously batched engine over one model folder (`model_path=None`: the built-in model)."""
+    """Continuously batched engine over one model folder (`model_path=None`: the built-in model). One that is
+    never closed is closed at the interpreter's exit when it has a disk tier (`close_at_exit`), or as it is
+    collected before then (`__del__`)."""
 
     def __init__(self, model_path: str | Path | None = None, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
@@ -306,6 +328,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.grammars, self.eos_token_ids, self.max_model_len)
         if on_cuda:
             freeze_gc_heap()
+        if self.disk is not None:  # (a never-closed engine's cache still reaches the disk tier: `close_at_exit`)
+            close_at_exit(self)
 
     # ----------------------------------------------------------------------------------- requests
     def _encoder_reserve(self) -> int:
@@ -512,7 +536,12 @@ class LLMEngine:
     def __del__(self) -> None:
         """An engine with a disk tier dropped without `close()` (an `LLM` made inside a script's `main()`, which
         vLLM's API never closes) is closed as it is collected, so its cache reaches the disk tier: the close at
-        the interpreter's exit (`llm._close_at_exit`) finds only engines still alive then."""
+        the interpreter's exit (`close_at_exit`) finds only engines still alive then. Never while the interpreter
+        finalizes (an engine still alive at exit was closed before, by `close_at_exit`): the disk writer is a
+        daemon thread that no longer runs then and torch's objects are being torn down, and the hand-off hung or
+        aborted the process (rc 134, an internal assertion of PyTorch's)."""
+        if sys.is_finalizing():
+            return
         if getattr(self, "disk", None) is not None and not getattr(self, "_closed", True):
             try:
                 self.close()

@@ -68,11 +68,13 @@ Jamba (`jamba`): Mamba1 layers (`LayerKind.MAMBA1`, the `Mamba1Config` group: `m
 `mamba_d_state`, `mamba_dt_rank` ("auto": ceil(hidden_size / 16)), `mamba_d_conv`, `mamba_conv_bias`,
 `mamba_proj_bias`) and attention layers without RoPE where i % attn_layer_period == attn_layer_offset (a written
 `layers_block_type`, which transformers ignores, must agree); a SiLU-gated MLP of `intermediate_size` after every
-mixer, or, where i % expert_layer_period == expert_layer_offset and `num_experts` > 1, `num_experts` routed experts of
-that width (top `num_experts_per_tok` of the softmax, not renormalised); `head_dim` read where written, else
-hidden_size / num_attention_heads. Refused: an offset not below its period, `attention_bias` true,
-`mamba_inner_layernorms` false, another activation; `use_mamba_kernels` and `sliding_window` (transformers' Jamba reads
-neither) are not read.
+mixer, or, where i % expert_layer_period == expert_layer_offset and `num_experts` > 1, `num_experts` (or its alias
+`num_local_experts`, as JambaConfig maps it) routed experts of that width (top `num_experts_per_tok` of the softmax,
+not renormalised); `head_dim` read where written, else hidden_size / num_attention_heads. Refused: an offset not below
+its period, `attention_bias` true, `mamba_inner_layernorms` false, another activation, `num_local_experts` and
+`num_experts` both written and different, a null where JambaConfig requires a value (`num_key_value_heads`,
+`rms_norm_eps`, ...: `_JAMBA_NOT_NULL`); `use_mamba_kernels` and `sliding_window` (transformers' Jamba reads neither)
+are not read.
 OLMo Hybrid (`olmo_hybrid`): gated DeltaNet ("linear_attention") and attention ("full_attention") layers, at least
 one of each (as transformers checks; left out, every fourth layer attends); the DeltaNet group's fields as Qwen's
 (`linear_*`; left out: as many key and value heads as attention heads, key head dim 0.75 * hidden_size / key heads,
@@ -646,6 +648,8 @@ class ModelConfig:
             text = _nemotron_section(text)
         if lfm2:
             text = _lfm2_section(text, moe=lfm2_moe)
+        if jamba:
+            text = _jamba_section(text)
         if bamba:  # (BambaConfig sets partial_rotary_factor 0.5 over the top-level one; rope_parameters' wins)
             text = {**text, "partial_rotary_factor": None}
         fields = _Fields(text, _derived_defaults(model_type, text))
@@ -1367,6 +1371,35 @@ def _period_layers(fields: _Fields, name: str, num_layers: int) -> tuple[int, ..
     if offset >= period:
         raise ValueError(f"config.json {name}_layer_offset {offset} must be smaller than {name}_layer_period {period}")
     return tuple(i for i in range(num_layers) if i % period == offset)
+
+
+# The Jamba fields read here that `JambaConfig` (transformers' strict dataclass) types without None: written null, it
+# refuses the file (`num_local_experts`, its alias of num_experts, leaves no expert count), so they are refused here
+# rather than read as their defaults.
+_JAMBA_NOT_NULL = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+    "hidden_act", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "num_experts", "num_local_experts",
+    "num_experts_per_tok", "expert_layer_period", "expert_layer_offset", "attn_layer_period", "attn_layer_offset",
+    "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_dt_rank", "mamba_conv_bias", "mamba_proj_bias",
+)
+
+
+def _jamba_section(text: Mapping[str, Any]) -> dict[str, Any]:
+    """Jamba's config.json fields under the names `JambaConfig` keeps: `num_local_experts` (its attribute_map's alias)
+    is `num_experts`; both written and different is refused (transformers would keep one of them silently). A field
+    of `_JAMBA_NOT_NULL` written null is refused, naming it (leaving it out takes JambaConfig's default)."""
+    nulls = [key for key in _JAMBA_NOT_NULL if key in text and text[key] is None]
+    if nulls:
+        raise ValueError(f"config.json {', '.join(nulls)} {'is' if len(nulls) == 1 else 'are'} null: transformers' "
+                         "JambaConfig requires a value (leave a field out for its default)")
+    section = dict(text)
+    if "num_local_experts" in section:
+        alias = section.pop("num_local_experts")
+        if "num_experts" in section and section["num_experts"] != alias:
+            raise ValueError(f"config.json num_local_experts {alias!r} and num_experts {section['num_experts']!r} "
+                             "disagree (JambaConfig reads num_local_experts as num_experts): write one of them")
+        section["num_experts"] = alias
+    return section
 
 
 def _jamba_layout(fields: _Fields) -> tuple[list[str], tuple[int, ...]]:

@@ -139,6 +139,23 @@ from hybridcache import LLM, SamplingParams
 prompt = "The quick brown fox jumps over the lazy dog. " * 4
 
 
+def bare_engine():
+    from hybridcache.config import EngineConfig
+    from hybridcache.engine.engine import LLMEngine
+
+    engine = LLMEngine(None, EngineConfig(block_size=16, host_cache_gib=0.01, disk_cache_dir=sys.argv[1]))
+    engine.add_request("first", prompt, SamplingParams(temperature=0, max_tokens=3))
+    while not (done := [out for out in engine.step() if out.finished]):
+        pass
+    print("cached", done[0].num_cached_tokens)
+    return engine
+
+
+if sys.argv[2] == "bare-engine":  # an LLMEngine never closed, alive at exit
+    engine = bare_engine()
+    sys.exit(0)
+
+
 def main():
     llm = LLM(block_size=16, host_cache_gib=0.01, disk_cache_dir=sys.argv[1])
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
@@ -162,12 +179,14 @@ if sys.argv[2] == "keep-engine":
 """
 
 
-@pytest.mark.parametrize("ending", ["exit", "keep-engine", "in-function"])
+@pytest.mark.parametrize("ending", ["exit", "keep-engine", "in-function", "bare-engine"])
 def test_an_llm_never_closed_hands_its_cache_to_the_disk_tier(tmp_path, ending):
     """vLLM's `LLM` has no close(): a script that just ends lost what the device pool and the host tier held, so
     every run of it missed. Its engine is now closed at exit; one whose `LLM` wrapper was dropped while its engine
     is kept (`LLM(...).engine`) keeps working until then; one made in a function (a script's `main()`) is closed
-    as it is dropped (it was freed before exit, so the close at exit found nothing: hunt 184)."""
+    as it is dropped (it was freed before exit, so the close at exit found nothing: hunt 184). A bare `LLMEngine`
+    with a disk tier, never closed, exits cleanly and its cache is on disk: it was closed by `__del__` while the
+    interpreter finalized, which aborted the process (rc 134, a PyTorch internal assertion; hunt 221)."""
     import os
     import subprocess
     import sys

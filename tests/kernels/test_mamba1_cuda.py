@@ -1,7 +1,7 @@
 """`CudaBackend.selective_scan` (Mamba1) against `ReferenceBackend` on batches the engine builds: fresh, continuing and
 decode sequences mixed, decode rows before prefill chunks, an all-decode step (a fresh one-token prompt among the rows),
-one sequence, and one sequence on a bucket of rows with NaN padding and the capture's host lengths (what a whole-step
-graph runs).
+one sequence, one sequence on a bucket of rows with NaN padding and the capture's host lengths (what a whole-step
+graph runs), and fresh sequences whose slot rows hold NaN and inf (they start from zeros).
 
 - CPU: on CPU tensors the backend takes the torch reference (Triton runs on CUDA only), and says so once.
 - `test_interpreted_*`: the Triton scan (`kernels/mamba1/triton.py`) through the backend on CPU tensors under
@@ -85,6 +85,25 @@ def compare_padded_bucket(backend, device: str, case, tol: dict) -> None:
     torch.testing.assert_close(ssm, ssm_ref, **tol)
 
 
+def compare_poisoned_fresh_rows(backend, device: str, tol: dict) -> None:
+    """A fresh sequence starts from zeros whatever its slot's row holds: the rows of the mixed case's fresh sequences
+    (a 70-token and a 1-token prompt) hold NaN and inf, as a former occupant that overflowed leaves them; outputs and
+    final states are finite and equal the reference's, and the continuing sequences' rows are untouched by it."""
+    raw = engine_batch(*CASES["mixed"], device=device)
+    fresh_slots = [slot for (start, _), slot in zip(*CASES["mixed"], strict=True) if start == 0]
+    assert len(fresh_slots) == 2
+    inputs = scan_inputs(raw.input_ids.shape[0], device, torch.float32)
+    ssm, ssm_ref = pool(device), pool(device)
+    for state, poison in zip(fresh_slots, (float("nan"), float("inf")), strict=True):
+        ssm[state], ssm_ref[state] = poison, poison
+    got = backend.selective_scan(**inputs, ssm_layer=ssm, batch=backend.prepare(raw))
+    want = ReferenceBackend().selective_scan(**inputs, ssm_layer=ssm_ref, batch=ReferenceBackend().prepare(raw))
+    assert want.isfinite().all() and ssm_ref[fresh_slots].isfinite().all()
+    assert got.isfinite().all() and ssm[fresh_slots].isfinite().all()
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(ssm, ssm_ref, **tol)
+
+
 def verify_batch(device: str):
     """A verify row (1 + 3 tokens, 3 draft slots) before a prefill chunk."""
     raw = engine_batch([(40, 4), (0, 30)], [1, 3], device=device)
@@ -139,6 +158,11 @@ def test_interpreted_triton_scan_reads_its_geometry_on_the_device(case, triton_o
 
 
 @needs_interpreter
+def test_interpreted_triton_scan_starts_a_fresh_sequence_from_zeros_whatever_its_row_holds(triton_on_cpu) -> None:
+    compare_poisoned_fresh_rows(triton_on_cpu, "cpu", FP32)
+
+
+@needs_interpreter
 def test_interpreted_verify_rows_take_the_reference(triton_on_cpu) -> None:
     """Verify rows keep the state after each draft position: the reference (`mamba1_scan`) runs them."""
     compare_scans(triton_on_cpu, "cpu", torch.float32, verify_batch("cpu"), FP32)
@@ -169,6 +193,11 @@ def test_interpreted_mixer_on_the_cuda_backend_equals_transformers(triton_on_cpu
 def test_cuda_selective_scan_matches_the_reference(case, dtype: torch.dtype) -> None:
     """fp32 arithmetic on both sides from the same inputs: only the order of operations differs."""
     compare_scans(cuda_backend(), "cuda", dtype, engine_batch(*case, device="cuda"), {"rtol": 1e-4, "atol": 1e-4})
+
+
+@needs_cuda
+def test_cuda_selective_scan_starts_a_fresh_sequence_from_zeros_whatever_its_row_holds() -> None:
+    compare_poisoned_fresh_rows(cuda_backend(), "cuda", {"rtol": 1e-4, "atol": 1e-4})
 
 
 @needs_cuda

@@ -135,6 +135,49 @@ def test_config_refuses_what_it_cannot_run(field, value, message):
         ModelConfig.from_dict(raw)
 
 
+# the fields read for Jamba that JambaConfig requires a value of (`config._JAMBA_NOT_NULL`)
+NOT_NULL = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+    "hidden_act", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "num_experts", "num_local_experts",
+    "num_experts_per_tok", "expert_layer_period", "expert_layer_offset", "attn_layer_period", "attn_layer_offset",
+    "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_dt_rank", "mamba_conv_bias", "mamba_proj_bias",
+)
+
+
+@pytest.mark.parametrize("field", NOT_NULL)
+def test_config_refuses_the_nulls_jambaconfig_refuses(field):
+    """A field JambaConfig types without None, written null, is refused naming it (not read as its default: a null
+    num_key_value_heads was 8, rms_norm_eps 1e-6), as transformers' strict JambaConfig refuses it (a null
+    `num_local_experts`, its alias, leaves it no expert count)."""
+    import transformers
+
+    raw = {**jamba_config("moe").to_dict(), field: None}
+    if field == "num_local_experts":
+        assert transformers.JambaConfig(**raw).num_experts is None
+    else:
+        with pytest.raises(Exception, match=field):
+            transformers.JambaConfig(**raw)
+    with pytest.raises(ValueError, match=f"config.json {field} is null: transformers' JambaConfig requires a value"):
+        ModelConfig.from_dict(raw)
+
+
+def test_every_default_jambaconfig_requires_is_refused_when_null():
+    """Each JambaConfig field with a default here (`_DEFAULTS["jamba"]`) whose type excludes None is refused null
+    (`_JAMBA_NOT_NULL`, the fields tested above); a null head_dim (no JambaConfig field) still means hidden_size /
+    num_attention_heads."""
+    import dataclasses
+
+    import transformers
+
+    from hybridcache.models.config import _DEFAULTS, _JAMBA_NOT_NULL
+
+    assert _JAMBA_NOT_NULL == NOT_NULL
+    required = {f.name for f in dataclasses.fields(transformers.JambaConfig) if "None" not in str(f.type)}
+    assert required & set(_DEFAULTS["jamba"]) <= set(NOT_NULL)
+    assert set(NOT_NULL) - {"num_local_experts"} <= required
+    assert ModelConfig.from_dict({**jamba_config("moe").to_dict(), "head_dim": None}).attention.head_dim == 16
+
+
 def test_tensor_parallelism_and_fp8_are_refused_with_a_clear_error(tmp_path):
     config = ModelConfig.from_dict(jamba_config("moe").to_dict())
     with pytest.raises(ValueError, match="tensor parallelism"):
@@ -169,6 +212,33 @@ def test_folder_loads_from_the_checkpoint_tensor_names(variant, tmp_path):
     (logits,) = PagedRunner(ours, 16, 8).step([(0, tokens)])
     with torch.no_grad():
         want = hf(input_ids=torch.tensor([tokens]), position_ids=torch.arange(40)[None]).logits[0]
+    assert rel_err(logits, want) <= TOLERANCE
+
+
+def test_num_local_experts_is_read_as_transformers_reads_it(tmp_path):
+    """`num_local_experts` is JambaConfig's alias of `num_experts` (its attribute_map): a config.json writing it gets
+    that many experts, as transformers builds (not the default 16); one writing both, different, is refused."""
+    import json
+
+    import transformers
+
+    raw = jamba_config("moe").to_dict()
+    raw["num_local_experts"] = raw.pop("num_experts")
+    assert raw["num_local_experts"] == 4
+    assert ModelConfig.from_dict(raw).mlp.num_experts == transformers.JambaConfig(**raw).num_experts == 4
+    assert ModelConfig.from_dict({**raw, "num_experts": 4}).mlp.num_experts == 4
+    with pytest.raises(ValueError, match="num_local_experts 4 and num_experts 16 disagree"):
+        ModelConfig.from_dict({**raw, "num_experts": 16})
+    hf = jamba_model("moe")
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours = load_model(tmp_path)
+    assert ours.config.mlp.num_experts == 4
+    tokens = random_tokens(40, seed=9)
+    (logits,) = PagedRunner(ours, 16, 8).step([(0, tokens)])
+    reloaded = transformers.JambaForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        want = reloaded(input_ids=torch.tensor([tokens]), position_ids=torch.arange(40)[None]).logits[0]
     assert rel_err(logits, want) <= TOLERANCE
 
 

@@ -2,8 +2,9 @@
 one launch, the state rows read from and written to the pool by slot (the math of `reference.py`).
 
 One program per (sequence, block of BLOCK_D channels) walks its sequence's tokens in order, keeping the state tile
-[BLOCK_D, N] in registers (fp32) from the slot's row (zeros for a fresh sequence, context_len == query_len) to the
-write-back after its last token. Per token it reads x, dt, z [BLOCK_D] and B, C [N], and writes y [BLOCK_D]:
+[BLOCK_D, N] in registers (fp32) from the slot's row (zeros for a fresh sequence, context_len == query_len, whatever
+the row holds: its load is masked off) to the write-back after its last token. Per token it reads x, dt, z
+[BLOCK_D] and B, C [N], and writes y [BLOCK_D]:
 
     dt = softplus(dt_raw + dt_bias)          (torch's: dt itself above 20)
     S  = exp(dt[:, None] * A) * S + (dt * x)[:, None] * B[None, :]          A = -exp(A_log) [BLOCK_D, N]
@@ -45,10 +46,13 @@ def _selective_scan_kernel(
     tile_ok = chan_ok[:, None] & entry_ok[None, :]
     bos = tl.load(cu_ptr + seq).to(tl.int64)
     eos = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    keep = (tl.load(ctx_ptr + seq).to(tl.int64) != eos - bos).to(tl.float32)  # 0: a fresh sequence
+    # the state entries to read: none for a fresh sequence, whose row is masked off rather than multiplied by 0 (it
+    # may hold a NaN or inf a former occupant left, and 0 * NaN is NaN)
+    entries_to_read = state_size * (tl.load(ctx_ptr + seq).to(tl.int64) != eos - bos).to(tl.int32)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     state_ptrs = pool_ptr + slot * stride_ps + chans[:, None] * stride_pd + entries[None, :]
-    state = tl.load(state_ptrs, mask=tile_ok, other=0.0).to(tl.float32) * keep
+    state = tl.load(state_ptrs, mask=chan_ok[:, None] & (entries < entries_to_read)[None, :], other=0.0)
+    state = state.to(tl.float32)
     a = -tl.exp(tl.load(a_log_ptr + chans[:, None] * state_size + entries[None, :], mask=tile_ok,
                         other=0.0).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
