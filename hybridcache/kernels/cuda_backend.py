@@ -6,6 +6,8 @@
 |                  | kernel for an all-decode step, the paged flash-attention prefill kernel otherwise)            |
 | causal_conv1d    | in-place step kernel                        | varlen kernel + state write                     |
 | gated_delta_rule | in-place Triton step kernel                 | our l2norm of q / k, then fla's chunked kernel  |
+|   per-channel g (Kimi Delta Attention) | the same step kernel, g a column | fla's chunked KDA kernels, leading |
+|                  | of per-row decays                           | decode rows in the step kernel; verify rows: torch |
 | verify rows (speculative decoding: a last token and n drafts) | steps of decode and verify rows only: the fused |
 |                  | recurrent verify kernel for all of them (`gated_delta/triton_verify.py`: outputs, the state after |
 |                  | each draft position into its draft row, the final state into the slot); with prefill chunks: the |
@@ -57,6 +59,7 @@ from hybridcache.kernels.attention.base import AttentionBackend
 from hybridcache.kernels.backend import mamba1_scan, mamba2_scan, per_channel_delta_scan
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
 from hybridcache.kernels.conv.triton_verify import conv_draft_states
+from hybridcache.kernels.gated_delta import fla as delta_fla
 from hybridcache.kernels.gated_delta import triton_gates
 from hybridcache.kernels.gated_delta.fla import (
     CHUNK_SIZE,
@@ -154,8 +157,11 @@ class CudaBackend:
 
     supports_verify_states = True  # speculative decoding's verify rows (`VerifyRows`, the verify kernels)
 
-    def __init__(self, attention_backend: AttentionBackend) -> None:
+    def __init__(self, attention_backend: AttentionBackend, *, kda_kernels: bool = True) -> None:
+        """`kda_kernels`: a per-channel gated delta rule (Kimi Delta Attention) on fla's KDA kernels and the step
+        kernel (`gated_delta_rule`); False keeps it on the torch reference (`per_channel_delta_scan`)."""
         self.attention_backend = attention_backend
+        self.kda_kernels = kda_kernels
         self._experts: weakref.WeakKeyDictionary[nn.Module, ExpertWeights | Fp8ExpertWeights] = (
             weakref.WeakKeyDictionary()
         )
@@ -248,13 +254,24 @@ class CudaBackend:
         ssm_layer: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
+        """A per-head g [T, Hv]: the step kernel (all-decode), the verify kernel, fla's chunked gated delta rule.
+        A per-channel g [T, Hv, Dk] (Kimi Delta Attention): the step kernel with its per-channel decay (all-decode),
+        fla's chunked KDA kernels otherwise, a mixed step's leading decode rows in the step kernel
+        (`fla.mixed_gated_delta_rule`); verify rows, CPU tensors and `kda_kernels=False` take the torch reference
+        (`per_channel_delta_scan`)."""
         meta = _metadata(batch)
-        if g.dim() == 3:  # a per-channel decay (Kimi Delta Attention): fla's gated-delta kernels take [T, Hv]
+        if g.dim() == 3:
+            kernels = self.kda_kernels and meta.verify is None and delta_fla.runs_on(q)
             if not self._said_kda:
                 self._said_kda = True
-                _logger.info("Kimi Delta Attention layers run the torch reference of the per-channel gated delta "
-                             "rule (no CUDA kernel for it yet)")
-            return per_channel_delta_scan(q, k, v, g, beta, ssm_layer, batch)
+                _logger.info("Kimi Delta Attention layers run fla's chunked KDA kernels for prefill and the step "
+                             "kernel for decode rows" if kernels else "Kimi Delta Attention layers run the torch "
+                             "reference of the per-channel gated delta rule")
+            if not kernels:
+                return per_channel_delta_scan(q, k, v, g, beta, ssm_layer, batch)
+            if meta.lead is not None:
+                return mixed_gated_delta_rule(q, k, v, g, beta, ssm_layer, batch.state_slots, batch.context_lens,
+                                              meta.lead)
         if meta.all_decode:
             return gated_delta_rule_decode(q, k, v, g, beta, ssm_layer, batch.state_slots, batch.context_lens)
         verify = meta.verify

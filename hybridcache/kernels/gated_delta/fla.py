@@ -14,7 +14,8 @@ separate package), so the same Triton kernels run on the same inputs and the res
 
 Contract of `gated_delta_rule_varlen` (same math as `gated_delta/reference.py`, one call for all
 sequences):
-    q, k [T, Hk, Dk]; v [T, Hv, Dv]; g [T, Hv] log decay (fp32); beta [T, Hv]; rows of sequence i are
+    q, k [T, Hk, Dk]; v [T, Hv, Dv]; g [T, Hv] log decay (fp32), or [T, Hv, Dk] a log decay per key channel
+    (Kimi Delta Attention, KDA); beta [T, Hv]; rows of sequence i are
     cu_seqlens[i]:cu_seqlens[i+1]. Each sequence starts from ssm_pool[state_slots[i]] (zeros when fresh:
     context_len == query_len) and its final state is written back to that row (in the pool's dtype).
 No host sync: the initial states are gathered and the final states scattered with device index ops, fresh rows
@@ -30,6 +31,15 @@ step kernel then writes the D real rows into it: no copy of the output, whatever
 
     query lens (1, 1, 1, 40, 7), slots (5, 2, 9, 4, 8)   ->   D = 3: the step kernel on rows 0-2 (slots 5, 2, 9);
     fla on query lens (3, 40, 7), slots (4, 4, 8), the first sequence fresh and its final state not written
+
+A per-channel g (KDA) takes the same path with fla's KDA forward (`chunk_kda_fwd`, `fla_kda_forward`) in place of
+the gated-delta one, and the step kernel's per-channel decay (`triton_step`): the same gathered fp32 initial states
+in fla's [N, Hv, Dk, Dv] layout (the pool's), fresh rows zeroed, final states scattered, the same leading decode
+rows. fla's KDA conventions, matched to the reference: g is the raw per-token log decay (natural log; fla cumulates
+it per chunk itself, in log2 units), q and k come l2-normalised by us (`qkv_prep`, as for the per-head rule: fla's
+`use_qk_l2norm_in_kernel` is the public entry point's, not the forward's), beta after its sigmoid, scale Dk^-1/2,
+initial states fp32, no in-kernel gate (`use_gate_in_kernel` off: the model makes g) and no `safe_gate` (it assumes
+g bounded by a lower bound Kimi's gate does not have).
 """
 
 from __future__ import annotations
@@ -44,7 +54,14 @@ from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.varlen import any_fresh, fresh_mask, leading_decode_rows
 from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 
-CHUNK_SIZE = 64  # fla's chunk length for the gated delta rule
+CHUNK_SIZE = 64  # fla's chunk length for the gated delta rule (and KDA's)
+
+
+def runs_on(x: torch.Tensor) -> bool:
+    """Whether fla's kernels run on x's device: CUDA only (Triton; `CudaBackend.gated_delta_rule` takes the torch
+    reference for a per-channel g on CPU tensors). The interpreter tests patch it to run them on the CPU under
+    TRITON_INTERPRET."""
+    return x.is_cuda
 
 
 @dataclass(frozen=True)
@@ -101,13 +118,30 @@ def fla_chunk_forward() -> Callable:
     from fla.ops.gated_delta_rule import chunk_fwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
-    current = getattr(chunk_fwd, "SOLVE_TRIL_DOT_PRECISION", None)
+    _solve_in_ieee(chunk_fwd)
+    return chunk_gated_delta_rule_fwd
+
+
+def fla_kda_forward() -> Callable:
+    """fla's chunked KDA forward (`fla.ops.kda.chunk_fwd.chunk_kda_fwd`), its fused inter-block + triangular solve
+    kernel's dots set to IEEE fp32 first (`chunk_intra.SOLVE_TRIL_DOT_PRECISION`, tf32 on NVIDIA GPUs in fla 0.6, as
+    for the per-head rule: `fla_chunk_forward`)."""
+    from fla.ops.kda import chunk_intra
+    from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+
+    _solve_in_ieee(chunk_intra)
+    return chunk_kda_fwd
+
+
+def _solve_in_ieee(module) -> None:
+    """Set `module.SOLVE_TRIL_DOT_PRECISION` (fla's) to IEEE fp32, in the class of the value it replaces."""
+    current = getattr(module, "SOLVE_TRIL_DOT_PRECISION", None)
     if current is None:  # setting it would do nothing: say so
-        raise ImportError("fla-core's chunk_fwd has no SOLVE_TRIL_DOT_PRECISION: hybridcache needs fla-core 0.6.x "
+        name = module.__name__.rsplit(".", 1)[-1]
+        raise ImportError(f"fla-core's {name} has no SOLVE_TRIL_DOT_PRECISION: hybridcache needs fla-core 0.6.x "
                           "(pip install 'fla-core>=0.6,<0.7')")
     if getattr(current, "value", current) != "ieee":
-        chunk_fwd.SOLVE_TRIL_DOT_PRECISION = type(current)("ieee")
-    return chunk_gated_delta_rule_fwd
+        module.SOLVE_TRIL_DOT_PRECISION = type(current)("ieee")
 
 
 def chunk_gated_delta_rule_varlen(
@@ -137,9 +171,10 @@ def chunk_gated_delta_rule_varlen(
     them: a batch with no fresh sequence (`varlen.any_fresh`: prefix hits, decode rows) then reads its state rows
     as they are, without the mask's launches. `drop_first`: sequence 0 is a throwaway (`LeadingDecodes`): its
     final state is not written back (its slot is read, so it must be a valid row; `fresh` must zero it).
-    Returns out [T, Hv, Dv] in q's dtype.
+    A per-channel g [T, Hv, Dk] (KDA) runs fla's KDA forward (`fla_kda_forward`), a per-head one [T, Hv] its gated
+    delta rule. Returns out [T, Hv, Dv] in q's dtype.
     """
-    chunk_gated_delta_rule_fwd = fla_chunk_forward()
+    per_channel = g.dim() == 3
     cu = cu_seqlens.long()
     if chunk_indices is None:
         chunk_indices = make_chunk_indices(cu, query_lens_cpu, CHUNK_SIZE)
@@ -152,18 +187,18 @@ def chunk_gated_delta_rule_varlen(
     if use_qk_l2norm:  # ours, not fla's in-kernel one (fla autotunes that per size bucket, norm/triton.py), with
         q, k, v = qkv_prep(q, k, v)  # v made contiguous in the same launch
     # fla's kernels address [1, T, H, D] inputs as contiguous (its public entry point copies strided views)
-    _, out, _, final, _, _ = chunk_gated_delta_rule_fwd(
-        q=q.unsqueeze(0).contiguous(),
-        k=k.unsqueeze(0).contiguous(),
-        v=v.unsqueeze(0).contiguous(),
-        g=g.float().unsqueeze(0).contiguous(),
-        beta=beta.unsqueeze(0).contiguous(),
-        scale=q.shape[-1] ** -0.5,
-        initial_state=initial,
-        output_final_state=True,
-        cu_seqlens=cu,
-        chunk_indices=chunk_indices.long(),
-    )
+    inputs = {"q": q.unsqueeze(0).contiguous(), "k": k.unsqueeze(0).contiguous(), "v": v.unsqueeze(0).contiguous(),
+              "g": g.float().unsqueeze(0).contiguous(), "beta": beta.unsqueeze(0).contiguous(),
+              "scale": q.shape[-1] ** -0.5, "initial_state": initial, "output_final_state": True, "cu_seqlens": cu,
+              "chunk_indices": chunk_indices.long()}
+    if per_channel:  # (o, final_state, then what its backward keeps)
+        # fla's token-parallel KDA kernel finds a row's sequence by a binary search over cu_seqlens and, for a row
+        # past the last sequence (a padded bucket's: `masks_padding_rows`), reads the entry after the last: give it
+        # one, the row count, so such rows make a throwaway segment of their own rather than read past the tensor
+        inputs["cu_seqlens"] = torch.cat([cu, cu.new_full((1,), q.shape[0])])[:-1]
+        out, final = fla_kda_forward()(**inputs)[:2]
+    else:
+        _, out, _, final, _, _ = fla_chunk_forward()(**inputs)
     if drop_first:
         slots, final = slots[1:], final[1:]
     ssm_pool.index_copy_(0, slots, final.to(ssm_pool.dtype))
@@ -187,8 +222,9 @@ def mixed_gated_delta_rule(
     """A mixed step with `lead.count` leading decode rows (module docstring): fla over every row, the decode rows as
     one throwaway sequence, then the step kernel writes their real outputs over its rows and updates their state
     rows. Same contract and result as `chunk_gated_delta_rule_varlen` over the step (to fp32 rounding: the decode
-    rows' sums run in the step kernel's order). `raw_gates` (a, b [T, Hv], A_log, dt_bias [Hv]): the step kernel
-    makes the decode rows' gates itself from them, the launch a decode step compiles and runs (g and beta: fla's)."""
+    rows' sums run in the step kernel's order); a per-channel g too (KDA; not with `raw_gates`). `raw_gates` (a, b
+    [T, Hv], A_log, dt_bias [Hv]): the step kernel makes the decode rows' gates itself from them, the launch a
+    decode step compiles and runs (g and beta: fla's)."""
     out = chunk_gated_delta_rule_varlen(
         q, k, v, g, beta, ssm_pool, lead.slots, lead.cu_seqlens, context_lens, lead.query_lens_cpu,
         use_qk_l2norm=use_qk_l2norm, chunk_indices=lead.chunks, fresh=lead.fresh, drop_first=True,

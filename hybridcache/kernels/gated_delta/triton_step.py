@@ -4,7 +4,9 @@ Same math as `gated_delta/reference.py::gated_delta_rule_step`, per sequence n a
     q, k = l2norm(q), l2norm(k) (when use_qk_l2norm);  q = q * Dk^-1/2
     S = exp(g) S;  S = S + k (beta (v - S^T k))^T;  o = S^T q
 with S = ssm_pool[state_slots[n], h] (zeros when context_len == 1: a fresh sequence) and the new S written
-back to the same row. Key head h // (Hv / Hk) serves value head h.
+back to the same row. Key head h // (Hv / Hk) serves value head h. A per-channel g [N, Hv, Dk] (Kimi Delta
+Attention) decays each row of S at its own rate, S = diag(exp(g)) S: the same kernel, g loaded as a column
+(`token_inputs`' GATE_DK).
 
 Grid (cdiv(Dv, BLOCK_V), Hv, N) (V_MAJOR; else (N, Hv, cdiv(Dv, BLOCK_V))): each program owns a [Dk, BLOCK_V]
 column block of one state, so the state is read once and written once (the bytes floor of decode), with no
@@ -78,11 +80,15 @@ def program_heads(RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK
 
 @triton.jit
 def token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, key_head, ks, vs, k_in, v_in, scale, stride_qt,
-                 stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, L2NORM: tl.constexpr):
+                 stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, L2NORM: tl.constexpr,
+                 GATE_DK: tl.constexpr = 0):
     """Token `row`'s inputs to the gated delta rule in fp32, for value head `head` (key head `key_head`): q and k
     [BLOCK_K] at entries ks of the key head, v [BLOCK_V] at entries vs of the value head (the entries where k_in /
     v_in are False load as 0, so they add nothing to the norms and products), and the head's log decay g and write
     strength beta. Returns (q, k, v, g, beta), q and k l2-normalised when L2NORM and q scaled by `scale`.
+    g is the head's scalar, or with GATE_DK > 0 (a per-channel decay, Kimi Delta Attention: g rows [Hv, GATE_DK]
+    contiguous) its [BLOCK_K, 1] column of decays at entries ks (0 past Dk: exp(0) leaves the zero rows zero), so
+    `delta_rule_update`'s exp(g) S scales each state row by its own decay.
     With `delta_rule_update`, the per-token work of the step kernel and of the verify kernel (`triton_verify.py`).
     The addresses are formed here, beside their loads: passed in precomputed, they reorder the step kernel's code."""
     bq = tl.load(q_ptr + row * stride_qt + key_head * stride_qh + ks, mask=k_in, other=0.0).to(tl.float32)
@@ -92,15 +98,19 @@ def token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, key_head, ks, 
         bk = bk / tl.sqrt(tl.sum(bk * bk) + 1e-6)
     bq = bq * scale
     bv = tl.load(v_ptr + row * stride_vt + head * stride_vh + vs, mask=v_in, other=0.0).to(tl.float32)
-    bg = tl.load(g_ptr + row * stride_gt + head).to(tl.float32)
+    if GATE_DK > 0:
+        bg = tl.load(g_ptr + row * stride_gt + head * GATE_DK + ks, mask=k_in, other=0.0).to(tl.float32)[:, None]
+    else:
+        bg = tl.load(g_ptr + row * stride_gt + head).to(tl.float32)
     bb = tl.load(beta_ptr + row * stride_bt + head).to(tl.float32)
     return bq, bk, bv, bg, bb
 
 
 @triton.jit
 def delta_rule_update(state, bk, bv, bg, bb):
-    """The fp32 state block [BLOCK_K, BLOCK_V] after one token's k, v, g, beta (`token_inputs`):
-    S = exp(g) S;  S = S + k (beta (v - S^T k))^T. Rows past Dk that are 0 in `state` and `bk` stay 0."""
+    """The fp32 state block [BLOCK_K, BLOCK_V] after one token's k, v, g, beta (`token_inputs`; g a scalar or a
+    [BLOCK_K, 1] column of per-row decays): S = exp(g) S;  S = S + k (beta (v - S^T k))^T. Rows past Dk that are 0
+    in `state` and `bk` stay 0."""
     state = state * tl.exp(bg)
     delta = (bv - tl.sum(state * bk[:, None], axis=0)) * bb
     return state + bk[:, None] * delta[None, :]
@@ -113,7 +123,7 @@ def _gdn_step_kernel(
     stride_ps, stride_ph, stride_pk,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     L2NORM: tl.constexpr, GATES: tl.constexpr, PDL: tl.constexpr, STREAM: tl.constexpr = False,
-    V_MAJOR: tl.constexpr = False,
+    V_MAJOR: tl.constexpr = False, GATE_DK: tl.constexpr = 0,
 ):
     pdl.start(PDL)
     seq, head, key_head, ks, vs, k_in, v_in = program_heads(RATIO, DK, DV, BLOCK_K, BLOCK_V, V_MAJOR)
@@ -122,7 +132,7 @@ def _gdn_step_kernel(
 
     bq, bk, bv, bg, bb = token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seq, head, key_head, ks, vs, k_in, v_in,
                                       scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-                                      stride_gn, stride_bn, L2NORM)
+                                      stride_gn, stride_bn, L2NORM, GATE_DK)
     if GATES:  # g_ptr / beta_ptr hold the raw a / b: the gates here, as `triton_gates` makes them
         bg, bb = gate_values(bg, bb, tl.load(alog_ptr + head).to(tl.float32), tl.load(dt_ptr + head).to(tl.float32))
         bb = bb.to(beta_ptr.dtype.element_ty).to(tl.float32)
@@ -163,7 +173,8 @@ def gated_delta_rule_decode(
     (the same code: the same bits), which saves that launch per layer and step.
 
     q, k [N, Hk, Dk]; v [N, Hv, Dv] (unit stride on the last dim; other strides free, e.g. views of the conv
-    output); g, beta [N, Hv] (log decay, write strength); ssm_pool [num_slots, Hv, Dk, Dv] (fp32 normally);
+    output); g, beta [N, Hv] (log decay, write strength), or g [N, Hv, Dk] a log decay per key channel (Kimi Delta
+    Attention: S = diag(exp(g)) S; not with `gates`); ssm_pool [num_slots, Hv, Dk, Dv] (fp32 normally);
     state_slots [N] distinct; context_lens [N] (1 = fresh). Any Dk and Dv (`head_tiles`).
     Returns out [N, Hv, Dv] in q's dtype: a new tensor, or `out` written (unit stride on Dv; a mixed step's
     leading rows of fla's output, `fla.mixed_gated_delta_rule`).
@@ -173,6 +184,10 @@ def gated_delta_rule_decode(
     block_k, block_v = head_tiles(k_dim, v_dim, _BLOCK_V)
     if ssm_pool.stride(-1) != 1 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k, v and ssm_pool need unit stride on their last dim")
+    per_channel = g.dim() == 3
+    if per_channel and (gates is not None or tuple(g.shape) != (num, num_v_heads, k_dim)):
+        raise ValueError(f"a per-channel g must be [{num}, {num_v_heads}, {k_dim}] raw log decays (no `gates`), got "
+                         f"{list(g.shape)}")
     if gates is None or g.stride(-1) != 1 or beta.stride(-1) != 1:
         g, beta = g.contiguous(), beta.contiguous()
     a_log, dt_bias = gates if gates is not None else (g, g)  # (unread without gates)
@@ -189,6 +204,7 @@ def gated_delta_rule_decode(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2),
         RATIO=num_v_heads // num_k_heads, DK=k_dim, DV=v_dim, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
-        GATES=gates is not None, STREAM=_STREAM, V_MAJOR=_V_MAJOR, **pdl.options(q),
+        GATES=gates is not None, STREAM=_STREAM, V_MAJOR=_V_MAJOR, GATE_DK=k_dim if per_channel else 0,
+        **pdl.options(q),
     )
     return out
