@@ -17,14 +17,16 @@ _GLOBAL_MEMORY = re.compile(r"\b(ld\.global|st\.global|atom\.|red\.|cp\.async)")
 def compile_for_hopper(kernel, pointers: dict[str, str], ints: list[str], constants: dict, num_warps: int = 4,
                        floats: tuple[str, ...] = ()):
     """`kernel` compiled for sm90 with these argument types (pointers by name, e.g. "*bf16"; `ints` i32; `floats`
-    fp32; `constants` the constexpr values), in the kernel's own parameter order; KeyError names a parameter that
-    was given no type. Returns the compiled kernel (`.asm["ptx"]`, `.asm["ttgir"]`, ...).
+    fp32; `constants` the constexpr values, defaulted ones optional), in the kernel's own parameter order; KeyError
+    names a parameter that was given no type. Returns the compiled kernel (`.asm["ptx"]`, `.asm["ttgir"]`, ...).
 
     A kernel with a `PDL` parameter (`kernels/pdl.py`) is compiled as the engine launches it on an H200, PDL=True
     unless `constants` says otherwise, and its PTX is checked against pdl.py's contract: the wait for the kernel
     before comes ahead of every global load, store, atomic and async copy."""
     if any(param.name == "PDL" for param in kernel.params):
         constants = {"PDL": True, **constants}
+    # a constexpr the kernel defaults takes its default, as a launch that does not pass it
+    constants = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **constants}
     types = {**pointers, **dict.fromkeys(ints, "i32"), **dict.fromkeys(floats, "fp32"),
              **dict.fromkeys(constants, "constexpr")}
     signature = {param.name: types[param.name] for param in kernel.params}

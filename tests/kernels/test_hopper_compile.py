@@ -61,6 +61,21 @@ def test_gated_delta_step_compiles_for_hopper(l2norm):
     assert "evict_first" not in ptx[True] and ".cs." not in ptx[True]
 
 
+def test_gated_delta_step_with_a_per_channel_decay_compiles_for_hopper():
+    """Kimi Delta Attention's launch (GATE_DK: g [N, Hv, Dk] fp32, a decay per state row; one key head a value head,
+    Kimi-Linear-48B's head dims 128, the engine's STREAM / V_MAJOR) compiles, with the streaming hints, to other
+    code than the per-head launch (its numbers: the interpreter, test_kda_cuda.py)."""
+    table = {**GDN_POINTERS, "pool_ptr": "*fp32"}
+    ptx = {}
+    for gate_dk in (0, 128):
+        constants = dict(HEADS, RATIO=1, BLOCK_V=triton_step._BLOCK_V, DV=128, L2NORM=True, GATES=False,
+                         STREAM=triton_step._STREAM, V_MAJOR=True, GATE_DK=gate_dk)
+        ptx[gate_dk] = compile_for_hopper(_gdn_step_kernel, table, integers(_gdn_step_kernel), constants,
+                                          floats=("scale",)).asm["ptx"]
+    assert ptx[128] != ptx[0]
+    assert "L1::evict_first" in ptx[128] and "st.global.cs" in ptx[128]
+
+
 def test_gated_delta_step_streams_its_state_for_hopper():
     """STREAM (the engine's launch): the state's loads carry the evict-first hint and its stores stream (.cs); the
     grid's order (V_MAJOR) moves only which program id names the sequence and which the column block."""
