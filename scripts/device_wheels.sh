@@ -11,4 +11,4 @@ python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --im
     --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d .whl \
     "fla-core>=0.6,<0.7" fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection \
-    jsonschema jsonschema-specifications referencing rpds-py xgrammar apache-tvm-ffi llguidance "$@"
+    jsonschema jsonschema-specifications referencing rpds-py xgrammar apache-tvm-ffi llguidance einops "$@"

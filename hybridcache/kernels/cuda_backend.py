@@ -185,8 +185,9 @@ class CudaBackend:
     def masks_padding_rows(self) -> bool:
         """Whether a one-sequence step may run on more rows than its query length (`prefill_graphs.SequenceGraphs`):
         the conv, fla and a graph-safe attention backend's kernels read each sequence's length from cu_seqlens on
-        the device and leave the rows past it unwritten."""
-        return self.attention_backend.graph_safe
+        the device and leave the rows past it unwritten. Not with `kda_kernels=False`: the torch reference of the
+        per-channel rule (`per_channel_delta_scan`) reads the host's lengths, which such a step's are not."""
+        return self.attention_backend.graph_safe and self.kda_kernels
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
         all_decode = all(length == 1 for length in batch.query_lens_cpu)

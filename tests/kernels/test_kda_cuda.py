@@ -125,6 +125,21 @@ def test_kda_kernels_off_keeps_the_torch_reference_where_the_kernels_would_run(m
     assert any("torch reference" in r.message for r in caplog.records)
 
 
+def test_kda_kernels_off_forbids_one_sequence_steps_on_padded_rows() -> None:
+    """Whole-step prefill graphs (`prefill_graphs.SequenceGraphs`) run a one-sequence step on a bucket of rows and
+    tell the layers it is fresh, trusting the kernels to read the real length and freshness on the device. The
+    torch reference of the per-channel rule reads the host's (hunt 226: a prefix hit or a later chunk started from
+    zeros, and the padding rows ran through the recurrence), so `kda_kernels=False` must not allow them."""
+    from hybridcache.kernels.cuda_backend import CudaBackend
+
+    class GraphSafe(ReferenceAttention):
+        graph_safe = True
+
+    assert CudaBackend(GraphSafe()).masks_padding_rows
+    assert not CudaBackend(GraphSafe(), kda_kernels=False).masks_padding_rows
+    assert not CudaBackend(ReferenceAttention()).masks_padding_rows
+
+
 @pytest.fixture
 def fla_kda_interpreted(monkeypatch):
     """fla's KDA kernels and our step kernel on CPU tensors under the interpreter: `runs_on` says yes, the torch
