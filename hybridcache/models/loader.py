@@ -622,8 +622,8 @@ def _tie_as_transformers(config: ModelConfig, location: Mapping[str, Path],
                    for start in range(0, rows, 4096)):
                 return config
     _logger.warning("config.json ties the word embeddings, but the checkpoint holds an lm_head.weight that differs "
-                    "from %s: it is used, not tied (as transformers does); set tie_word_embeddings false in "
-                    "config.json to silence this warning", embedding)
+                    "from %s: it is used, not tied (as transformers does); set tie_word_embeddings (LFM2's: "
+                    "tie_embedding, which wins over it) false in config.json to silence this warning", embedding)
     return replace(config, tie_word_embeddings=False)
 
 

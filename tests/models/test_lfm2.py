@@ -260,3 +260,25 @@ def test_dummy_weights_draw_its_norms_around_one(tmp_path):
         assert 0.5 < weight.float().mean() < 1.5, name
     (logits,) = PagedRunner(model, 16, 8).step([(0, random_tokens(70, seed=2))])
     assert bool(torch.isfinite(logits).all()) and logits.std() > 0.1
+
+
+def test_an_untied_head_under_tie_embedding_names_the_field_that_ties(tmp_path, caplog):
+    """A checkpoint whose lm_head.weight differs from the embedding under `tie_embedding: true` is used untied (as
+    transformers does), and the warning names LFM2's `tie_embedding`, which wins over `tie_word_embeddings` (it
+    said to set only tie_word_embeddings false, which leaves LFM2 tied: hunt 224)."""
+    import json
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    lfm2_model("bias-k3").save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_embedding": True, "tie_word_embeddings": False}))
+    with caplog.at_level(logging.WARNING, logger="hybridcache.models.loader"):
+        model = load_model(tmp_path)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
+    assert any("tie_embedding" in record.message for record in caplog.records)
