@@ -17,6 +17,7 @@ from hybridcache.layers.parallel import TensorParallel
 from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.models.config import LayerKind
 
+from .helpers import TOLERANCE, PagedRunner, random_tokens, rel_err
 from .kimi_helpers import TINY_KIMI, VARIANTS, make_kimi_pair
 from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file's `pair`
     test_decode_after_prefill_matches_full_and_incremental_forward,
@@ -95,6 +96,21 @@ def test_layers_and_states(pair):
             assert (specs[layer_id].num_kv_heads, specs[layer_id].head_dim) == (config.attention.num_heads, 32)
             assert mla.cache_head_dim == 32 >= max(mla.qk_head_dim, mla.v_head_dim)
         assert (layer.mlp_name == "block_sparse_moe") == config.is_moe_layer(layer_id)
+
+
+@torch.no_grad()
+def test_mla_latent_norms_use_transformers_epsilon():
+    """MLA's q_a_layernorm / kv_a_layernorm run at eps 1e-6 (transformers' default), not rms_norm_eps (1e-5 here,
+    as released): with the latent projections scaled by 0.01 (latent variance ~1e-4, where the eps matters: 1e-5
+    moves the logits by ~3e-2) ours still matches transformers."""
+    pair = make_kimi_pair("qlora-dense2")
+    for model in (pair.hf, pair.ours):
+        for name, param in model.named_parameters():
+            if name.endswith(("kv_a_proj_with_mqa.weight", "q_a_proj.weight")):
+                param.mul_(0.01)
+    tokens = random_tokens(157, seed=5)
+    (ours,) = PagedRunner(pair.ours, 16, 8).step([(0, tokens)])
+    assert rel_err(ours, pair.hf_logits(tokens)) <= TOLERANCE
 
 
 def test_config_reads_the_released_layout():
