@@ -1,6 +1,7 @@
 """Moonshot Kimi Linear (`KimiLinearForCausalLM`, model_type `kimi_linear`; Kimi-Linear-48B-A3B-Base / -Instruct):
-Kimi Delta Attention (KDA) layers and multi-head latent attention (MLA) layers, a dense SwiGLU MLP in the first
-`first_k_dense_replace` layers and a sparse MoE block in the others; pre-norm RMSNorm layers.
+Kimi Delta Attention (KDA) layers and multi-head latent attention (MLA) layers, a dense SwiGLU MLP in the "dense"
+layers of `mlp_layer_types` (else the first `first_k_dense_replace` layers) and a sparse MoE block in the others;
+pre-norm RMSNorm layers.
 
 Module tree (names equal the released checkpoints' tensor names; transformers' in-memory KDA gate names
 `self_attn.forget_gate.*` load too, `loader.RENAMED_SUFFIXES`; the checkpoints' `q_conv1d`, `k_conv1d`, `v_conv1d`
@@ -17,7 +18,7 @@ are concatenated into `conv1d`, `loader.CONCATENATED_SUFFIXES`)::
         [R + Dr, hidden]; kv_a_layernorm [R]; kv_b_proj [H*(Dn + Dv), R]; o_proj [hidden, H*Dv]
         (the latent norms q_a_layernorm, kv_a_layernorm at eps 1e-6, as transformers', not rms_norm_eps)
     model.layers.{i}.post_attention_layernorm   RMSNorm
-    model.layers.{i}.mlp                        gate_proj, up_proj, down_proj (i < first_k_dense_replace)
+    model.layers.{i}.mlp                        gate_proj, up_proj, down_proj (a dense layer)
     model.layers.{i}.block_sparse_moe           gate.weight [E, hidden], gate.e_score_correction_bias [E] (fp32),
                                                 experts.{e}.w1 / w3 [I, hidden] (gate / up), w2 [hidden, I];
                                                 shared_experts.gate_proj / up_proj / down_proj

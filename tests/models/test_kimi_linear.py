@@ -113,6 +113,19 @@ def test_mla_latent_norms_use_transformers_epsilon():
     assert rel_err(ours, pair.hf_logits(tokens)) <= TOLERANCE
 
 
+def test_mlp_layer_types_place_the_moe_blocks():
+    """`mlp_layer_types` (what transformers' save_pretrained writes) wins over first_k_dense_replace, as in
+    `KimiLinearConfig`: a layout that is not a dense prefix loads and matches transformers."""
+    layout = ["sparse", "dense", "sparse", "dense"]
+    pair = make_kimi_pair("qlora-dense2", mlp_layer_types=layout)
+    assert pair.hf.config.mlp_layer_types == layout and pair.ours.config.mlp.moe_layer_ids == (0, 2)
+    tokens = random_tokens(157, seed=6)
+    (ours,) = PagedRunner(pair.ours, 16, 8).step([(0, tokens)])
+    assert rel_err(ours, pair.hf_logits(tokens)) <= TOLERANCE
+    dense = ModelConfig.from_dict(_raw(mlp_layer_types=["dense"] * 6, first_k_dense_replace=1))
+    assert dense.mlp.moe_layer_ids == () and not any(dense.is_moe_layer(i) for i in range(6))
+
+
 def test_config_reads_the_released_layout():
     """The released config.json's spellings: 1-based kda_layers / full_attn_layers, num_experts,
     num_experts_per_token, num_shared_experts, moe_renormalize, num_expert_group, model_max_length."""
@@ -145,6 +158,8 @@ def test_config_reads_the_released_layout():
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"linear_attn_config": {"kda_layers": [1, 2], "full_attn_layers": [3], "num_heads": 2, "head_dim": 16}},
      "must name each of the 6 layers"),
+    ({"mlp_layer_types": ["dense"] * 5}, "mlp_layer_types .* for each of the 6 layers"),
+    ({"mlp_layer_types": ["dense", "moe", "sparse", "sparse", "sparse", "sparse"]}, "'dense' or 'sparse'"),
 ])
 def test_config_refusals(overrides, message):
     with pytest.raises(ValueError, match=message):
