@@ -21,7 +21,8 @@ are concatenated into `conv1d`, `loader.CONCATENATED_SUFFIXES`)::
     model.layers.{i}.mlp                        gate_proj, up_proj, down_proj (a dense layer)
     model.layers.{i}.block_sparse_moe           gate.weight [E, hidden], gate.e_score_correction_bias [E] (fp32),
                                                 experts.{e}.w1 / w3 [I, hidden] (gate / up), w2 [hidden, I];
-                                                shared_experts.gate_proj / up_proj / down_proj
+                                                shared_experts.gate_proj / up_proj / down_proj (none with
+                                                num_shared_experts 0: transformers' zero-width ones are dropped)
     model.norm, lm_head
 
 KDA (per token; H heads of K channels, keys and values both K wide):
@@ -264,3 +265,8 @@ class KimiLinearForCausalLM(HybridCausalLM):
 
     def _norm(self, dim: int) -> nn.Module:
         return RMSNorm(dim, self.config.rms_norm_eps)
+
+    def drops_checkpoint_tensor(self, name: str, shape: tuple[int, ...]) -> bool:
+        """With num_shared_experts 0 the MoE blocks have no shared expert; transformers' `save_pretrained` writes
+        one of width 0 (its output: zeros), whose empty tensors are dropped."""
+        return self.config.mlp.shared_expert_intermediate_size == 0 and ".shared_experts." in name and 0 in shape

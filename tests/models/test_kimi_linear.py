@@ -14,11 +14,11 @@ import torch
 
 from hybridcache.kernels.gated_delta import reference as delta_ref
 from hybridcache.layers.parallel import TensorParallel
-from hybridcache.models import ModelConfig, get_model_class
+from hybridcache.models import ModelConfig, get_model_class, load_weights
 from hybridcache.models.config import LayerKind
 
 from .helpers import TOLERANCE, PagedRunner, random_tokens, rel_err
-from .kimi_helpers import TINY_KIMI, VARIANTS, make_kimi_pair
+from .kimi_helpers import TINY_KIMI, VARIANTS, checkpoint_state_dict, make_kimi_pair
 from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file's `pair`
     test_decode_after_prefill_matches_full_and_incremental_forward,
     test_mixed_batch_of_prefill_chunks_and_decodes,
@@ -124,6 +124,23 @@ def test_mlp_layer_types_place_the_moe_blocks():
     assert rel_err(ours, pair.hf_logits(tokens)) <= TOLERANCE
     dense = ModelConfig.from_dict(_raw(mlp_layer_types=["dense"] * 6, first_k_dense_replace=1))
     assert dense.mlp.moe_layer_ids == () and not any(dense.is_moe_layer(i) for i in range(6))
+
+
+def test_no_shared_expert_loads_transformers_zero_width_one():
+    """num_shared_experts 0: transformers holds (and save_pretrained writes) a shared expert of width 0, whose output
+    is zeros; its empty tensors load (dropped) and the logits match. A shared-expert tensor that is not empty is
+    still refused."""
+    pair = make_kimi_pair("moe-groups", num_shared_experts=0)
+    state = checkpoint_state_dict(pair.hf)
+    empty = [name for name in state if ".shared_experts." in name]
+    assert empty and all(state[name].numel() == 0 for name in empty)
+    assert not any(".shared_experts." in name for name, _ in pair.ours.named_parameters())
+    tokens = random_tokens(157, seed=7)
+    (ours,) = PagedRunner(pair.ours, 16, 8).step([(0, tokens)])
+    assert rel_err(ours, pair.hf_logits(tokens)) <= TOLERANCE
+    state[empty[0]] = torch.zeros(32, 64) if state[empty[0]].shape[0] == 0 else torch.zeros(64, 32)
+    with pytest.raises(ValueError, match="unexpected tensor .*shared_experts"):
+        load_weights(pair.ours, state)
 
 
 def test_config_reads_the_released_layout():
