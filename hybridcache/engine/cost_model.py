@@ -20,11 +20,17 @@ Read from a model folder's config.json through `ModelConfig` (only that file is 
                                                  Nemotron-H's latent projections; attention with an output gate for
                                                  the Qwen models alone; OLMo Hybrid's DeltaNet projections, q k v g
                                                  a b, are Qwen's q k v z a b; an LFM2 short conv: in_proj
-                                                 (B | C | x), the conv's taps, out_proj)
-                         + DeltaNet layers * 6 * v_heads * k_head_dim * v_head_dim        (state update, readout)
+                                                 (B | C | x), the conv's taps, out_proj; Kimi Linear's MLA: q_proj
+                                                 (or q_a_proj, q_b_proj), kv_a_proj_with_mqa, kv_b_proj, o_proj; its
+                                                 KDA: q k v, the conv's taps, the low-rank f_a f_b and g_a g_b,
+                                                 b_proj, o_proj)
+                         + DeltaNet layers * 6 * v_heads * k_head_dim * v_head_dim        (state update, readout;
+                                                                                           KDA's alike)
                          + Mamba2 layers * 6 * heads * head_dim * state_size
                          + Mamba1 layers * 6 * d_inner * state_size
-    attention pairs    = 4 * attention layers * heads * head_dim FLOPs per (query, key) pair (QK^T and PV)
+    attention pairs    = 2 * attention layers * heads * (qk head dim + v head dim) FLOPs per (query, key) pair
+                         (QK^T and PV; head_dim both, except MLA's: its key and value head dims, not the padded
+                         head dim its paged KV holds)
     prefill_flops(n)   = flops_per_token * n + pair FLOPs * n (n + 1) / 2
 
 so computing tokens [s, n) costs prefill_flops(n) - prefill_flops(s), and a hit of s tokens saves
@@ -45,11 +51,14 @@ from pathlib import Path
 from hybridcache.cache import CostModel
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine_args import AUTO, auto_ssm_dtype
-from hybridcache.models.config import RECURRENT_KINDS, LayerKind, ModelConfig
+from hybridcache.models.config import RECURRENT_KINDS, LayerKind, MLAConfig, ModelConfig
 
 # The model types whose attention has an output gate (q_proj twice as wide) and whose shared expert has a gate (the
 # others: neither)
 _QWEN_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# The model types whose "linear_attention" layers are Kimi Delta Attention (low-rank decay and output gates) rather
+# than gated DeltaNet
+_KDA_TYPES = ("kimi_linear",)
 # The recurrent mixer of a layer kind whose layer holds one beside its attention (Falcon-H1's parallel layer)
 _RECURRENT_MIXER = {LayerKind.HYBRID: LayerKind.MAMBA2}
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
@@ -91,7 +100,12 @@ class ModelCost:
         q_dim = attention.num_heads * attention.head_dim
         kv_dim = attention.num_kv_heads * attention.head_dim
         qwen = c.model_type in _QWEN_TYPES  # gated attention, a gated shared expert (the others: neither)
-        attn_params = h * (2 if qwen else 1) * q_dim + 2 * h * kv_dim + q_dim * h  # q (+ gate), k, v, o
+        if c.mla is None:
+            attn_params = h * (2 if qwen else 1) * q_dim + 2 * h * kv_dim + q_dim * h  # q (+ gate), k, v, o
+            pair_dims = 2 * attention.num_heads * attention.head_dim  # a head's query-key and value widths
+        else:
+            attn_params = _mla_params(h, attention.num_heads, c.mla)
+            pair_dims = attention.num_heads * (c.mla.qk_head_dim + c.mla.v_head_dim)
         mlp_matrices = 2 if c.hidden_act == "relu2" else 3  # up, down (Nemotron-H's relu^2) or gate, up, down
         # per recurrent layer: (parameters, state update and readout FLOPs per token, state bytes)
         recurrent = {kind: _recurrent_cost(c, _RECURRENT_MIXER.get(kind, kind), dtype_bytes, ssm_bytes)
@@ -121,9 +135,19 @@ class ModelCost:
             kv_bytes_per_token=c.num_attention_layers * 2 * kv_dim * dtype_bytes,
             state_bytes=state_bytes,
             flops_per_token=float(2 * params + flops),
-            attn_flops_per_token_pair=float(4 * c.num_attention_layers * q_dim),
+            attn_flops_per_token_pair=float(2 * c.num_attention_layers * pair_dims),
             ssm_dtype=ssm_dtype,
         )
+
+
+def _mla_params(h: int, heads: int, mla: MLAConfig) -> int:
+    """One MLA layer's parameters (`models/kimi_linear.KimiMLA`): the query projection (full rank, or down to
+    q_lora_rank and up), the latent | shared key projection, the latent's expansion into each head's key and value
+    parts, the output projection."""
+    q_out = heads * mla.qk_head_dim
+    query = h * q_out if mla.q_lora_rank is None else mla.q_lora_rank * (h + q_out)
+    return (query + h * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+            + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim) + heads * mla.v_head_dim * h)
 
 
 def _recurrent_cost(c: ModelConfig, kind: LayerKind, dtype_bytes: int, ssm_bytes: int) -> tuple[int, int, int]:
@@ -151,6 +175,13 @@ def _recurrent_cost(c: ModelConfig, kind: LayerKind, dtype_bytes: int, ssm_bytes
     delta = c.gated_delta
     vh = delta.num_v_heads
     state = vh * delta.k_head_dim * delta.v_head_dim
+    if c.model_type in _KDA_TYPES:  # Kimi Delta Attention (`models/kimi_linear.KimiDeltaAttention`)
+        rank = delta.k_head_dim  # the decay's and the output gate's low rank
+        params = (h * (2 * delta.key_dim + delta.value_dim)  # q, k, v
+                  + rank * (h + delta.key_dim) + rank * (h + delta.value_dim)  # f_a, f_b; g_a, g_b
+                  + h * vh  # b
+                  + delta.conv_dim * delta.conv_kernel_size + delta.value_dim * h)  # conv, o
+        return params, 6 * state, delta.conv_dim * delta.conv_width * dtype_bytes + state * ssm_bytes
     params = (h * (2 * delta.key_dim + 2 * delta.value_dim)  # q, k, v, z
               + h * 2 * vh  # b, a
               + delta.conv_dim * delta.conv_kernel_size + delta.value_dim * h)

@@ -1497,6 +1497,19 @@ def _kimi_layer_types(text: Mapping[str, Any], num_layers: int) -> tuple[LayerKi
     return tuple(_QWEN_KINDS[t] for t in written)
 
 
+def _kimi_moe_layer_ids(fields: _Fields, num_layers: int) -> tuple[int, ...]:
+    """The layers with an MoE block: `mlp_layer_types` ("dense" / "sparse" a layer; what transformers'
+    `save_pretrained` writes) where given, else every layer from `first_k_dense_replace` on (as
+    `KimiLinearConfig` reads them)."""
+    written = fields.section.get("mlp_layer_types")
+    if written is None:
+        return tuple(range(fields.integer("first_k_dense_replace", minimum=0), num_layers))
+    if not isinstance(written, list) or len(written) != num_layers or set(written) - {"dense", "sparse"}:
+        raise ValueError(f"config.json mlp_layer_types {written!r} must list 'dense' or 'sparse' for each of the "
+                         f"{num_layers} layers")
+    return tuple(i for i, kind in enumerate(written) if kind == "sparse")
+
+
 def _kimi_check(fields: _Fields) -> None:
     """Refuse what Kimi Linear's implementation here (and transformers') does not run."""
     text = fields.section
@@ -1525,9 +1538,10 @@ def _kimi_linear_config(raw: Mapping[str, Any], text: Mapping[str, Any], archite
     """Kimi Linear (`kimi_linear`): KDA layers ("linear_attention", `gated_delta` with as many key as value heads,
     `linear_num_heads` of `linear_head_dim`), MLA layers ("full_attention", `mla`; `attention` holds its paged KV's
     shape: num_attention_heads heads of `MLAConfig.cache_head_dim`, no rotary embedding, scale
-    qk_head_dim^-1/2), a dense SiLU MLP of `intermediate_size` in the first `first_k_dense_replace` layers and MoE
-    blocks after (`num_local_experts` SiLU experts of `moe_intermediate_size`, top `num_experts_per_tok`, routed
-    by `GroupedRouting`, `n_shared_experts` x moe_intermediate_size of shared expert)."""
+    qk_head_dim^-1/2), a dense SiLU MLP of `intermediate_size` in the "dense" layers of `mlp_layer_types` (else the
+    first `first_k_dense_replace` layers) and MoE blocks in the others (`num_local_experts` SiLU experts of
+    `moe_intermediate_size`, top `num_experts_per_tok`, routed by `GroupedRouting`, `n_shared_experts` x
+    moe_intermediate_size of shared expert)."""
     defaults = dict(_DEFAULTS["kimi_linear"])
     section = _kimi_section(text)
     if isinstance(section.get("num_attention_heads"), int):
@@ -1555,8 +1569,7 @@ def _kimi_linear_config(raw: Mapping[str, Any], text: Mapping[str, Any], archite
     heads, head_dim = fields.integer("linear_num_heads"), fields.integer("linear_head_dim")
     delta = GatedDeltaConfig(num_k_heads=heads, num_v_heads=heads, k_head_dim=head_dim, v_head_dim=head_dim,
                              conv_kernel_size=fields.integer("linear_conv_kernel_dim", minimum=2))
-    dense_layers = fields.integer("first_k_dense_replace", minimum=0)
-    moe_layer_ids = tuple(range(dense_layers, num_layers))
+    moe_layer_ids = _kimi_moe_layer_ids(fields, num_layers)
     num_experts, top_k = fields.integer("num_local_experts"), fields.integer("num_experts_per_tok")
     groups, kept = fields.integer("n_group"), fields.integer("topk_group")
     if moe_layer_ids and (num_experts % groups or num_experts // groups < 2):

@@ -168,6 +168,13 @@ class HybridCausalLM(nn.Module):
         if self.config.tie_word_embeddings and self.tp.size == 1:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def drops_checkpoint_tensor(self, name: str, shape: tuple[int, ...]) -> bool:
+        """True for a checkpoint tensor (its name as written, its shape) this model does without: the loader reads
+        nothing from it and does not call it unexpected. None here; a family whose checkpoints hold tensors it
+        has no parameter for overrides it (Kimi Linear: a zero-width shared expert)."""
+        del name, shape
+        return False
+
     def _layer(self, layer_id: int) -> nn.Module:
         """Decoder layer `layer_id`: a `DecoderLayer` of `_mixer` and `_mlp`."""
         c = self.config

@@ -1,6 +1,7 @@
 """Moonshot Kimi Linear (`KimiLinearForCausalLM`, model_type `kimi_linear`; Kimi-Linear-48B-A3B-Base / -Instruct):
-Kimi Delta Attention (KDA) layers and multi-head latent attention (MLA) layers, a dense SwiGLU MLP in the first
-`first_k_dense_replace` layers and a sparse MoE block in the others; pre-norm RMSNorm layers.
+Kimi Delta Attention (KDA) layers and multi-head latent attention (MLA) layers, a dense SwiGLU MLP in the "dense"
+layers of `mlp_layer_types` (else the first `first_k_dense_replace` layers) and a sparse MoE block in the others;
+pre-norm RMSNorm layers.
 
 Module tree (names equal the released checkpoints' tensor names; transformers' in-memory KDA gate names
 `self_attn.forget_gate.*` load too, `loader.RENAMED_SUFFIXES`; the checkpoints' `q_conv1d`, `k_conv1d`, `v_conv1d`
@@ -15,11 +16,13 @@ are concatenated into `conv1d`, `loader.CONCATENATED_SUFFIXES`)::
                                                 KimiMLA (layer_types[i] "full_attention"):
         q_proj [H*Dqk, hidden] (or q_a_proj, q_a_layernorm, q_b_proj with q_lora_rank); kv_a_proj_with_mqa
         [R + Dr, hidden]; kv_a_layernorm [R]; kv_b_proj [H*(Dn + Dv), R]; o_proj [hidden, H*Dv]
+        (the latent norms q_a_layernorm, kv_a_layernorm at eps 1e-6, as transformers', not rms_norm_eps)
     model.layers.{i}.post_attention_layernorm   RMSNorm
-    model.layers.{i}.mlp                        gate_proj, up_proj, down_proj (i < first_k_dense_replace)
+    model.layers.{i}.mlp                        gate_proj, up_proj, down_proj (a dense layer)
     model.layers.{i}.block_sparse_moe           gate.weight [E, hidden], gate.e_score_correction_bias [E] (fp32),
                                                 experts.{e}.w1 / w3 [I, hidden] (gate / up), w2 [hidden, I];
-                                                shared_experts.gate_proj / up_proj / down_proj
+                                                shared_experts.gate_proj / up_proj / down_proj (none with
+                                                num_shared_experts 0: transformers' zero-width ones are dropped)
     model.norm, lm_head
 
 KDA (per token; H heads of K channels, keys and values both K wide):
@@ -58,6 +61,10 @@ from hybridcache.models.config import LayerKind, MLAConfig, ModelConfig
 from hybridcache.models.hybrid_lm import DecoderLayer, HybridCausalLM
 from hybridcache.models.nemotron_h import GroupedTopKRouter
 from hybridcache.state_spec import AttentionSpec, RecurrentSpec, StateTensorSpec
+
+# The epsilon of MLA's latent norms (q_a_layernorm, kv_a_layernorm): transformers builds them at its RMSNorm's
+# default, not at the config's rms_norm_eps (1e-5 in the released config), which the other norms use
+MLA_LATENT_NORM_EPS = 1e-6
 
 
 class SigmoidGatedRMSNorm(nn.Module):
@@ -140,9 +147,9 @@ class KimiDeltaAttention(nn.Module):
 
 class KimiMLA(nn.Module):
     """Multi-head latent attention without rotary embedding (module docstring) over the paged KV, which holds the
-    expanded keys and values zero-padded to `mla.cache_head_dim`."""
+    expanded keys and values zero-padded to `mla.cache_head_dim`; its latent norms at `MLA_LATENT_NORM_EPS`."""
 
-    def __init__(self, hidden_size: int, num_heads: int, mla: MLAConfig, eps: float) -> None:
+    def __init__(self, hidden_size: int, num_heads: int, mla: MLAConfig) -> None:
         super().__init__()
         self.num_heads, self.mla = num_heads, mla
         self.head_dim = mla.cache_head_dim
@@ -151,10 +158,10 @@ class KimiMLA(nn.Module):
             self.q_proj = nn.Linear(hidden_size, num_heads * qk, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden_size, mla.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, eps)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, MLA_LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(mla.q_lora_rank, num_heads * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden_size, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, eps)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, MLA_LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * mla.v_head_dim, hidden_size, bias=False)
         self.kv_dtype: torch.dtype | None = None  # (FP8 KV is refused: KimiLinearForCausalLM.supports_fp8)
@@ -250,7 +257,7 @@ class KimiLinearForCausalLM(HybridCausalLM):
                                                   conv_kernel_size=d.conv_kernel_size, eps=c.rms_norm_eps)
         else:
             assert c.mla is not None
-            mixer = KimiMLA(c.hidden_size, c.attention.num_heads, c.mla, c.rms_norm_eps)
+            mixer = KimiMLA(c.hidden_size, c.attention.num_heads, c.mla)
         moe = c.is_moe_layer(layer_id)
         mlp = KimiMoE(c) if moe else MLP(c.hidden_size, c.mlp.intermediate_size)
         return DecoderLayer("self_attn", mixer, mlp, c.hidden_size, c.rms_norm_eps, norm=RMSNorm,
@@ -258,3 +265,8 @@ class KimiLinearForCausalLM(HybridCausalLM):
 
     def _norm(self, dim: int) -> nn.Module:
         return RMSNorm(dim, self.config.rms_norm_eps)
+
+    def drops_checkpoint_tensor(self, name: str, shape: tuple[int, ...]) -> bool:
+        """With num_shared_experts 0 the MoE blocks have no shared expert; transformers' `save_pretrained` writes
+        one of width 0 (its output: zeros), whose empty tensors are dropped."""
+        return self.config.mlp.shared_expert_intermediate_size == 0 and ".shared_experts." in name and 0 in shape

@@ -7,7 +7,8 @@ Tensor name rules, applied to every checkpoint tensor in this order:
    `lm_head.weight` when `tie_word_embeddings` is set (the embedding is used instead). As transformers does, a
    tied config whose checkpoint holds an `lm_head.weight` that differs from the embedding is not tied (a warning
    says so: both are loaded), and one whose checkpoint holds `lm_head.weight` without the embedding ties the
-   embedding to it;
+   embedding to it; and the tensors a model does without (`HybridCausalLM.drops_checkpoint_tensor`: Kimi Linear's
+   zero-width shared expert, which transformers' `save_pretrained` writes for num_shared_experts 0);
 2. renamed: `model.language_model.X` -> `model.X` (multimodal wrappers store the language model there);
    Nemotron-H's `backbone.X` -> `model.X`, and its `model.embeddings.weight` -> `model.embed_tokens.weight`,
    `model.norm_f.weight` -> `model.norm.weight` (`RENAMED_NAMES`, in either prefix), Bamba's, Falcon-H1's and Jamba's
@@ -240,10 +241,12 @@ def plan_weights(
     tied = model.config.tie_word_embeddings
     # transformers ties a missing embedding to the checkpoint's lm_head.weight
     from_head = tied and "lm_head.weight" in checkpoint_shapes and _embedding_name(checkpoint_shapes) is None
+    shapes = {_EMBEDDING if from_head and name == "lm_head.weight" else name: _shape(shape)
+              for name, shape in checkpoint_shapes.items()}
     plan = plan_weights_for(
-        model, {_EMBEDDING if from_head and name == "lm_head.weight" else name: shape
-                for name, shape in checkpoint_shapes.items()}, owner=type(model).__name__,
-        ignored=lambda name: name.startswith(IGNORED_PREFIXES) or (tied and name == "lm_head.weight"),
+        model, shapes, owner=type(model).__name__,
+        ignored=lambda name: (name.startswith(IGNORED_PREFIXES) or (tied and name == "lm_head.weight")
+                              or model.drops_checkpoint_tensor(name, shapes[name])),
         not_in_checkpoint=("lm_head.weight",) if tied else (),
     )
     if from_head:

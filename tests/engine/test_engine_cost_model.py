@@ -22,6 +22,7 @@ from tests.models.bamba_helpers import bamba_model
 from tests.models.falcon_h1_helpers import falcon_model
 from tests.models.granite_helpers import granite_model
 from tests.models.jamba_helpers import jamba_model
+from tests.models.kimi_helpers import kimi_model
 from tests.models.lfm2_helpers import lfm2_model
 from tests.models.nemotron_helpers import nemotron_model
 from tests.models.olmo_hybrid_helpers import olmo_model
@@ -77,22 +78,24 @@ def spec_bytes(tensors) -> int:
 
 
 HYBRID_FAMILIES = {"granite": granite_model, "nemotron": nemotron_model, "bamba": bamba_model,
-                   "falcon": falcon_model, "jamba": jamba_model, "olmo": olmo_model, "lfm2": lfm2_model}
+                   "falcon": falcon_model, "jamba": jamba_model, "olmo": olmo_model, "lfm2": lfm2_model,
+                   "kimi": kimi_model}
 # (family, variant) -> its recurrent layers (Mamba2; Jamba's: Mamba1; OLMo Hybrid's: gated DeltaNet; LFM2's: short
-# convolutions)
+# convolutions; Kimi Linear's: KDA)
 HYBRID_VARIANTS = {("granite", "dense-rope"): 3, ("granite", "moe-nope"): 3, ("nemotron", "groups2"): 2,
                    ("nemotron", "pattern-bias"): 3, ("nemotron", "moe-groups"): 2, ("nemotron", "moe-latent"): 2,
                    ("bamba", "groups2"): 3, ("bamba", "bias-rope"): 4, ("falcon", "norm-first"): 3,
                    ("falcon", "gate-first"): 3, ("falcon", "no-norm"): 3, ("jamba", "dense"): 4, ("jamba", "moe"): 4,
                    ("olmo", "nope-gva"): 3, ("olmo", "rope-bias"): 3, ("lfm2", "bias-k3"): 3, ("lfm2", "idxs-k4"): 3,
-                   ("lfm2", "moe-norm"): 3, ("lfm2", "moe-raw"): 3}
+                   ("lfm2", "moe-norm"): 3, ("lfm2", "moe-raw"): 3, ("kimi", "moe-groups"): 4,
+                   ("kimi", "qlora-dense2"): 2}
 
 
 def _family_recurrent_ids(config: ModelConfig, family: str) -> tuple[int, ...]:
     """The layers of the family's own recurrent kind."""
     if family == "jamba":
         return config.mamba1_layer_ids
-    if family == "olmo":
+    if family in ("olmo", "kimi"):
         return config.linear_layer_ids
     if family == "lfm2":
         return tuple(i for i, kind in enumerate(config.layer_types) if kind is LayerKind.SHORT_CONV)
@@ -101,15 +104,17 @@ def _family_recurrent_ids(config: ModelConfig, family: str) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("family, variant", list(HYBRID_VARIANTS))
 def test_hybrid_costs_count_their_recurrent_layers(family, variant):
-    """A Granite-4.0-H, Nemotron-H, Bamba, Falcon-H1, Jamba, OLMo Hybrid or LFM2 model's cost: its state bytes are its
-    recurrent layers' state specs (Mamba layers were counted as DeltaNet layers with Qwen's default sizes; Nemotron-H's
-    stateless MLP layers as DeltaNet layers too), its KV bytes its attention layers' (a Falcon-H1 layer has both, and
-    an MLP), its FLOPs per token twice its active matmul parameters (ungated attention; Nemotron-H: relu^2 MLP layers
-    of two matrices, no feed-forward block after its mixers; its MoE layers: the router, top-k ungated experts of two
-    matrices, the ungated shared expert, the latent projections; Jamba: MoE blocks without a shared expert, Mamba1's
-    x_proj and dt_proj; OLMo Hybrid: DeltaNet layers of six projections; LFM2: short convs of in_proj, taps and
-    out_proj, a tied lm_head) plus the recurrent updates' (Mamba2 and Mamba1 scans, the delta rule; none for a short
-    conv; Mamba1's A_log [I, N] is no matmul)."""
+    """A Granite-4.0-H, Nemotron-H, Bamba, Falcon-H1, Jamba, OLMo Hybrid, LFM2 or Kimi Linear model's cost: its
+    state bytes are its recurrent layers' state specs (Mamba layers were counted as DeltaNet layers with Qwen's
+    default sizes; Nemotron-H's stateless MLP layers as DeltaNet layers too), its KV bytes its attention layers' (a
+    Falcon-H1 layer has both, and an MLP), its FLOPs per token twice its active matmul parameters (ungated
+    attention; Nemotron-H: relu^2 MLP layers of two matrices, no feed-forward block after its mixers; its MoE
+    layers: the router, top-k ungated experts of two matrices, the ungated shared expert, the latent projections;
+    Jamba: MoE blocks without a shared expert, Mamba1's x_proj and dt_proj; OLMo Hybrid: DeltaNet layers of six
+    projections; LFM2: short convs of in_proj, taps and out_proj, a tied lm_head; Kimi Linear: MLA's latent
+    projections, not dense attention at its padded KV head dim, KDA's q k v, low-rank decay and output gates, b and
+    o; its routers) plus the recurrent updates' (Mamba2 and Mamba1 scans, the delta rule; none for a short conv;
+    Mamba1's A_log [I, N] is no matmul)."""
     hf = HYBRID_FAMILIES[family](variant)
     config = ModelConfig.from_dict(hf.config.to_dict())
     model = get_model_class(config.architecture)(config)
@@ -139,3 +144,18 @@ def test_hybrid_costs_count_their_recurrent_layers(family, variant):
         scans = len(config.mamba2_layer_ids) * 6 * m.num_heads * m.head_dim * m.state_size if m else 0
     scans += len(config.linear_layer_ids) * 6 * delta.num_v_heads * delta.k_head_dim * delta.v_head_dim
     assert cost.flops_per_token == 2 * matmuls + scans
+
+
+@pytest.mark.parametrize("variant", ["moe-groups", "qlora-dense2"])
+def test_kimi_attention_pairs_use_mla_head_dims(variant):
+    """Kimi Linear's attention FLOPs per (query, key) pair: QK^T over the MLA query / key width (qk_nope +
+    qk_rope a head) and PV over the value width, 2 FLOPs a multiply-add, not the padded head dim of its paged KV."""
+    config = ModelConfig.from_dict(kimi_model(variant).config.to_dict())
+    model = get_model_class(config.architecture)(config)
+    widths = 0
+    for layer_id in config.attention_layer_ids:
+        attn = model.model.layers[layer_id].self_attn
+        query = attn.q_proj if config.mla.q_lora_rank is None else attn.q_b_proj
+        widths += query.out_features + attn.o_proj.in_features  # heads x qk head dim, heads x v head dim
+    assert config.attention.head_dim > max(config.mla.qk_head_dim, config.mla.v_head_dim)  # (padded)
+    assert ModelCost.from_config(config).attn_flops_per_token_pair == 2 * widths

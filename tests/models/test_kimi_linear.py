@@ -14,10 +14,11 @@ import torch
 
 from hybridcache.kernels.gated_delta import reference as delta_ref
 from hybridcache.layers.parallel import TensorParallel
-from hybridcache.models import ModelConfig, get_model_class
+from hybridcache.models import ModelConfig, get_model_class, load_weights
 from hybridcache.models.config import LayerKind
 
-from .kimi_helpers import TINY_KIMI, VARIANTS, make_kimi_pair
+from .helpers import TOLERANCE, PagedRunner, random_tokens, rel_err
+from .kimi_helpers import TINY_KIMI, VARIANTS, checkpoint_state_dict, make_kimi_pair
 from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file's `pair`
     test_decode_after_prefill_matches_full_and_incremental_forward,
     test_mixed_batch_of_prefill_chunks_and_decodes,
@@ -97,6 +98,51 @@ def test_layers_and_states(pair):
         assert (layer.mlp_name == "block_sparse_moe") == config.is_moe_layer(layer_id)
 
 
+@torch.no_grad()
+def test_mla_latent_norms_use_transformers_epsilon():
+    """MLA's q_a_layernorm / kv_a_layernorm run at eps 1e-6 (transformers' default), not rms_norm_eps (1e-5 here,
+    as released): with the latent projections scaled by 0.01 (latent variance ~1e-4, where the eps matters: 1e-5
+    moves the logits by ~3e-2) ours still matches transformers."""
+    pair = make_kimi_pair("qlora-dense2")
+    for model in (pair.hf, pair.ours):
+        for name, param in model.named_parameters():
+            if name.endswith(("kv_a_proj_with_mqa.weight", "q_a_proj.weight")):
+                param.mul_(0.01)
+    tokens = random_tokens(157, seed=5)
+    (ours,) = PagedRunner(pair.ours, 16, 8).step([(0, tokens)])
+    assert rel_err(ours, pair.hf_logits(tokens)) <= TOLERANCE
+
+
+def test_mlp_layer_types_place_the_moe_blocks():
+    """`mlp_layer_types` (what transformers' save_pretrained writes) wins over first_k_dense_replace, as in
+    `KimiLinearConfig`: a layout that is not a dense prefix loads and matches transformers."""
+    layout = ["sparse", "dense", "sparse", "dense"]
+    pair = make_kimi_pair("qlora-dense2", mlp_layer_types=layout)
+    assert pair.hf.config.mlp_layer_types == layout and pair.ours.config.mlp.moe_layer_ids == (0, 2)
+    tokens = random_tokens(157, seed=6)
+    (ours,) = PagedRunner(pair.ours, 16, 8).step([(0, tokens)])
+    assert rel_err(ours, pair.hf_logits(tokens)) <= TOLERANCE
+    dense = ModelConfig.from_dict(_raw(mlp_layer_types=["dense"] * 6, first_k_dense_replace=1))
+    assert dense.mlp.moe_layer_ids == () and not any(dense.is_moe_layer(i) for i in range(6))
+
+
+def test_no_shared_expert_loads_transformers_zero_width_one():
+    """num_shared_experts 0: transformers holds (and save_pretrained writes) a shared expert of width 0, whose output
+    is zeros; its empty tensors load (dropped) and the logits match. A shared-expert tensor that is not empty is
+    still refused."""
+    pair = make_kimi_pair("moe-groups", num_shared_experts=0)
+    state = checkpoint_state_dict(pair.hf)
+    empty = [name for name in state if ".shared_experts." in name]
+    assert empty and all(state[name].numel() == 0 for name in empty)
+    assert not any(".shared_experts." in name for name, _ in pair.ours.named_parameters())
+    tokens = random_tokens(157, seed=7)
+    (ours,) = PagedRunner(pair.ours, 16, 8).step([(0, tokens)])
+    assert rel_err(ours, pair.hf_logits(tokens)) <= TOLERANCE
+    state[empty[0]] = torch.zeros(32, 64) if state[empty[0]].shape[0] == 0 else torch.zeros(64, 32)
+    with pytest.raises(ValueError, match="unexpected tensor .*shared_experts"):
+        load_weights(pair.ours, state)
+
+
 def test_config_reads_the_released_layout():
     """The released config.json's spellings: 1-based kda_layers / full_attn_layers, num_experts,
     num_experts_per_token, num_shared_experts, moe_renormalize, num_expert_group, model_max_length."""
@@ -129,6 +175,8 @@ def test_config_reads_the_released_layout():
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"linear_attn_config": {"kda_layers": [1, 2], "full_attn_layers": [3], "num_heads": 2, "head_dim": 16}},
      "must name each of the 6 layers"),
+    ({"mlp_layer_types": ["dense"] * 5}, "mlp_layer_types .* for each of the 6 layers"),
+    ({"mlp_layer_types": ["dense", "moe", "sparse", "sparse", "sparse", "sparse"]}, "'dense' or 'sparse'"),
 ])
 def test_config_refusals(overrides, message):
     with pytest.raises(ValueError, match=message):
