@@ -56,6 +56,17 @@ class RecurrentSpec:
     tensors: tuple[StateTensorSpec, ...]
 
 
+def conv_ssm_spec(conv1d: torch.nn.Conv1d, ssm_shape: tuple[int, ...], dtype: torch.dtype,
+                  state_dtype: torch.dtype) -> RecurrentSpec:
+    """The state of a mixer that runs a depthwise causal convolution, then a recurrence (Mamba1, Mamba2, gated
+    DeltaNet): "conv", the last K-1 pre-convolution inputs [C, K-1] of `conv1d` (C its channels, K its kernel size)
+    in the model `dtype`; "ssm", the recurrent state `ssm_shape` in `state_dtype`."""
+    return RecurrentSpec(tensors=(
+        StateTensorSpec(name="conv", shape=(conv1d.out_channels, conv1d.kernel_size[0] - 1), dtype=dtype),
+        StateTensorSpec(name="ssm", shape=ssm_shape, dtype=state_dtype),
+    ))
+
+
 LayerSpec = AttentionSpec | RecurrentSpec
 # A layer's state as its mixer sees it: the KV pool [2, num_pages, kernel_block_size, Hkv, D] of an
 # attention layer, or name -> [num_slots, *shape] for a recurrent layer. Views into the groups.

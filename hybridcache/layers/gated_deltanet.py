@@ -35,7 +35,7 @@ from hybridcache.layers.linear import module_linear, wants_fp8_rows
 from hybridcache.layers.norm import GatedRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.step import StepContext
-from hybridcache.state_spec import RecurrentSpec, StateTensorSpec
+from hybridcache.state_spec import RecurrentSpec, conv_ssm_spec
 
 
 class _GatedDeltaNetBase(nn.Module):
@@ -122,15 +122,7 @@ class _GatedDeltaNetBase(nn.Module):
 
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> RecurrentSpec:
         """conv: the last K-1 pre-convolution inputs [C, K-1] (model dtype); ssm: S [Hv, Dk, Dv] (state dtype)."""
-        conv_width = self.conv1d.kernel_size[0] - 1
-        return RecurrentSpec(
-            tensors=(
-                StateTensorSpec(name="conv", shape=(self.conv_dim, conv_width), dtype=dtype),
-                StateTensorSpec(
-                    name="ssm", shape=(self.num_v_heads, self.k_head_dim, self.v_head_dim), dtype=state_dtype
-                ),
-            )
-        )
+        return conv_ssm_spec(self.conv1d, (self.num_v_heads, self.k_head_dim, self.v_head_dim), dtype, state_dtype)
 
     def forward(self, hidden: torch.Tensor, step: StepContext, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; state["conv"] [num_slots, C, K-1] and

@@ -34,7 +34,7 @@ from hybridcache.layers.linear import module_linear
 from hybridcache.layers.norm import RMSNorm
 from hybridcache.layers.parallel import UNSHARDED, TensorParallel
 from hybridcache.layers.step import StepContext
-from hybridcache.state_spec import RecurrentSpec, StateTensorSpec
+from hybridcache.state_spec import RecurrentSpec, conv_ssm_spec
 
 
 class Mamba1Mixer(nn.Module):
@@ -81,13 +81,7 @@ class Mamba1Mixer(nn.Module):
 
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> RecurrentSpec:
         """conv: the last K-1 pre-convolution inputs [I, K-1] (model dtype); ssm: S [I, N] (state dtype)."""
-        conv_width = self.conv1d.kernel_size[0] - 1
-        return RecurrentSpec(
-            tensors=(
-                StateTensorSpec(name="conv", shape=(self.intermediate_size, conv_width), dtype=dtype),
-                StateTensorSpec(name="ssm", shape=(self.intermediate_size, self.state_size), dtype=state_dtype),
-            )
-        )
+        return conv_ssm_spec(self.conv1d, (self.intermediate_size, self.state_size), dtype, state_dtype)
 
     def forward(self, hidden: torch.Tensor, step: StepContext, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; state["conv"] [num_slots, I, K-1] and state["ssm"] [num_slots, I, N]

@@ -37,7 +37,7 @@ from torch import nn
 from hybridcache.layers.linear import module_linear
 from hybridcache.layers.parallel import UNSHARDED, TensorParallel
 from hybridcache.layers.step import StepContext
-from hybridcache.state_spec import RecurrentSpec, StateTensorSpec
+from hybridcache.state_spec import RecurrentSpec, conv_ssm_spec
 
 
 class GroupGatedRMSNorm(nn.Module):
@@ -117,13 +117,7 @@ class Mamba2Mixer(nn.Module):
 
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> RecurrentSpec:
         """conv: the last K-1 pre-convolution inputs [C, K-1] (model dtype); ssm: S [Hm, Pm, N] (state dtype)."""
-        conv_width = self.conv1d.kernel_size[0] - 1
-        return RecurrentSpec(
-            tensors=(
-                StateTensorSpec(name="conv", shape=(self.conv_dim, conv_width), dtype=dtype),
-                StateTensorSpec(name="ssm", shape=(self.num_heads, self.head_dim, self.state_size), dtype=state_dtype),
-            )
-        )
+        return conv_ssm_spec(self.conv1d, (self.num_heads, self.head_dim, self.state_size), dtype, state_dtype)
 
     def forward(self, hidden: torch.Tensor, step: StepContext, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; state["conv"] [num_slots, C, K-1] and state["ssm"]

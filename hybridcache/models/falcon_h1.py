@@ -75,9 +75,7 @@ class FalconH1DecoderLayer(nn.Module):
         self.multipliers = m
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mamba = mamba2_mixer(c)
-        self.self_attn = GraniteAttention(c.hidden_size, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
-                                          head_dim=a.head_dim, bias=a.bias, scale=a.softmax_scale, use_rope=True,
-                                          key_multiplier=m.key)
+        self.self_attn = GraniteAttention.from_config(c, bias=a.bias, use_rope=True, key_multiplier=m.key)
         self.pre_ff_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         assert c.mlp.intermediate_size is not None
         self.feed_forward = FalconH1MLP(c.hidden_size, c.mlp.intermediate_size, m.mlp_gate, m.mlp_down)
@@ -109,6 +107,3 @@ class FalconH1ForCausalLM(MambaHybridLM):
     def _layer(self, layer_id: int) -> nn.Module:
         del layer_id  # (every layer alike)
         return FalconH1DecoderLayer(self.config)
-
-    def _norm(self, dim: int) -> nn.Module:
-        return RMSNorm(dim, self.config.rms_norm_eps)

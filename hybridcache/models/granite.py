@@ -69,6 +69,15 @@ class GraniteAttention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
+    @classmethod
+    def from_config(cls, config: ModelConfig, *, bias: bool, use_rope: bool,
+                    key_multiplier: float = 1.0) -> GraniteAttention:
+        """The attention of `config` (`config.attention`'s heads, head size and softmax scale), with the family's
+        `bias`, `use_rope` and `key_multiplier` (what its config states or implies)."""
+        a = config.attention
+        return cls(config.hidden_size, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                   bias=bias, scale=a.softmax_scale, use_rope=use_rope, key_multiplier=key_multiplier)
+
     @property
     def input_projection(self) -> FusedProjection:
         return self.qkv
@@ -181,14 +190,8 @@ class GraniteMoeHybridForCausalLM(MambaHybridLM):
     def _layer(self, layer_id: int) -> nn.Module:
         return GraniteDecoderLayer(*self._mixer(layer_id), self.config, layer_id)
 
-    def _norm(self, dim: int) -> nn.Module:
-        return RMSNorm(dim, self.config.rms_norm_eps)
-
     def _mixer(self, layer_id: int) -> tuple[str, nn.Module]:
         c = self.config
         if c.layer_types[layer_id] is LayerKind.MAMBA2:
             return "mamba", mamba2_mixer(c)
-        a = c.attention
-        return "self_attn", GraniteAttention(
-            c.hidden_size, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, bias=a.bias,
-            scale=a.softmax_scale, use_rope=a.use_rope)
+        return "self_attn", GraniteAttention.from_config(c, bias=c.attention.bias, use_rope=c.attention.use_rope)

@@ -36,20 +36,15 @@ from hybridcache.layers.mlp import MLP
 from hybridcache.layers.norm import RMSNorm
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import LayerKind, ModelConfig
-from hybridcache.models.granite import GraniteAttention
+from hybridcache.models.granite import GraniteAttention, GraniteMoE
 from hybridcache.models.hybrid_lm import DecoderLayer
 from hybridcache.models.mamba2_hybrid import MambaHybridLM
 
 
-class JambaMoE(nn.Module):
+class JambaMoE(GraniteMoE):
     """x [N, hidden] -> sum_k w_k expert_k(x): the top-k of softmax(router(x)) (fp32 softmax, weights not
-    renormalised, in x's dtype), SiLU-gated experts, no shared expert."""
-
-    def __init__(self, hidden_size: int, *, num_experts: int, top_k: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.top_k = top_k
-        self.router = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(hidden_size, intermediate_size, reduce=False) for _ in range(num_experts))
+    renormalised, in x's dtype), SiLU-gated experts, no shared expert (`GraniteMoE`'s router and experts, routed
+    otherwise)."""
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         top_weights, top_ids = step.backend.route(module_linear(self.router, x), self.top_k, False)
@@ -73,17 +68,11 @@ class JambaForCausalLM(MambaHybridLM):
         return DecoderLayer(*self._mixer(layer_id), self._mlp(layer_id), c.hidden_size, c.rms_norm_eps, norm=RMSNorm,
                             mlp_name="feed_forward", post_norm_name="pre_ff_layernorm")
 
-    def _norm(self, dim: int) -> nn.Module:
-        return RMSNorm(dim, self.config.rms_norm_eps)
-
     def _mixer(self, layer_id: int) -> tuple[str, nn.Module]:
         c = self.config
         if c.layer_types[layer_id] is LayerKind.MAMBA1:
             return "mamba", mamba1_mixer(c)
-        a = c.attention
-        return "self_attn", GraniteAttention(
-            c.hidden_size, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, bias=False,
-            scale=a.softmax_scale, use_rope=False)
+        return "self_attn", GraniteAttention.from_config(c, bias=False, use_rope=False)
 
     def _mlp(self, layer_id: int) -> nn.Module:
         c, mlp = self.config, self.config.mlp

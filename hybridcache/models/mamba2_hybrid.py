@@ -5,7 +5,10 @@ Granite-4.0-H, Nemotron-H). (Their RMSNorm, centred on 1 as transformers' for al
 
 from __future__ import annotations
 
+from torch import nn
+
 from hybridcache.layers.mamba2 import Mamba2Mixer
+from hybridcache.layers.norm import RMSNorm
 from hybridcache.models.config import ModelConfig
 from hybridcache.models.hybrid_lm import HybridCausalLM
 
@@ -27,3 +30,7 @@ class MambaHybridLM(HybridCausalLM):
 
     supports_fp8 = False
     single_rank_reason = "its Mamba layers are not split across ranks"
+
+    def _norm(self, dim: int) -> nn.Module:
+        """The final norm: `layers.norm.RMSNorm` (centred on 1)."""
+        return RMSNorm(dim, self.config.rms_norm_eps)

@@ -191,6 +191,4 @@ class NemotronHForCausalLM(MambaHybridLM):
             return NemotronHMoE(c)
         if kind is LayerKind.MLP:
             return ReluSquaredMLP(c.hidden_size, c.mlp.intermediate_size)
-        a = c.attention
-        return GraniteAttention(c.hidden_size, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-                                bias=False, scale=a.softmax_scale, use_rope=False)
+        return GraniteAttention.from_config(c, bias=False, use_rope=False)

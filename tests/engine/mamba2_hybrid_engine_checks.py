@@ -3,15 +3,16 @@
 `LLM.generate` with and without the prefix cache, the piecewise prefill split, cached == uncached on CUDA, and the
 refusal of the options that do not apply to the family (MTP, images; FP8 where the model class does not declare it,
 tensor parallelism where it runs on one rank). A test file imports them by name (pytest collects them there, with
-that file's `model_dir`): test_granite_engine.py, test_nemotron_h_engine.py, test_bamba_engine.py,
-test_falcon_h1_engine.py (Mamba2), test_jamba_engine.py (Mamba1), test_olmo_hybrid_engine.py (gated DeltaNet),
-test_lfm2_engine.py (short convolution). A new recurrent family needs no change of the cache for them to pass.
-(Written for the Mamba2 hybrids first, hence the file's name.)"""
+that file's `model_dir`, made by `tiny_model_dir_fixture`): test_granite_engine.py, test_nemotron_h_engine.py,
+test_bamba_engine.py, test_falcon_h1_engine.py (Mamba2), test_jamba_engine.py (Mamba1), test_olmo_hybrid_engine.py
+(gated DeltaNet), test_lfm2_engine.py (short convolution), test_kimi_linear_engine.py (KDA). A new recurrent family
+needs no change of the cache for them to pass. (Written for the Mamba2 hybrids first, hence the file's name.)"""
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,19 @@ def write_tiny_folder(hf_model: torch.nn.Module, path: Path) -> Path:
     build_byte_tokenizer().save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     return path
+
+
+def tiny_model_dir_fixture(hf_model: Callable[..., torch.nn.Module], variants: Sequence[str]):
+    """A family's module-scoped `model_dir` fixture, one param per variant: `hf_model(variant, 0, vocab_size=320,
+    eos_token_id=258)` (its tests/models helper, over the byte tokenizer's 320 ids) saved by `write_tiny_folder`.
+    Assign it to `model_dir` in the test file: `model_dir = tiny_model_dir_fixture(granite_model, ["moe-nope"])`."""
+
+    @pytest.fixture(scope="module", params=list(variants))
+    def model_dir(request, tmp_path_factory):
+        folder = tmp_path_factory.mktemp(request.param)
+        return write_tiny_folder(hf_model(request.param, 0, vocab_size=320, eos_token_id=258), folder)
+
+    return model_dir
 
 
 def test_cached_run_equals_uncached_run(model_dir):

@@ -4,10 +4,6 @@ not apply to it (MTP, FP8, images, TP) are clear errors (`mamba2_hybrid_engine_c
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
 from tests.models.bamba_helpers import bamba_model
 
 from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
@@ -17,15 +13,7 @@ from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on th
     test_options_that_do_not_apply_are_clear_errors,
     test_shared_prefixes_of_unaligned_lengths_hit_at_the_divergence_step,
     test_split_forward_equals_unsplit_on_cpu,
-    write_tiny_folder,
+    tiny_model_dir_fixture,
 )
 
-
-def write_tiny_bamba(path: Path, variant: str, seed: int = 0) -> Path:
-    """A tiny random Bamba folder over the byte tokenizer's 320 ids (transformers `save_pretrained`)."""
-    return write_tiny_folder(bamba_model(variant, seed, vocab_size=320, eos_token_id=258), path)
-
-
-@pytest.fixture(scope="module", params=["groups2", "bias-rope"])
-def model_dir(request, tmp_path_factory):
-    return write_tiny_bamba(tmp_path_factory.mktemp(request.param), request.param)
+model_dir = tiny_model_dir_fixture(bamba_model, ["groups2", "bias-rope"])

@@ -6,9 +6,6 @@ clear errors (`mamba2_hybrid_engine_checks`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 import torch
 
 from hybridcache.config import EngineConfig
@@ -24,18 +21,10 @@ from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on th
     test_options_that_do_not_apply_are_clear_errors,
     test_shared_prefixes_of_unaligned_lengths_hit_at_the_divergence_step,
     test_split_forward_equals_unsplit_on_cpu,
-    write_tiny_folder,
+    tiny_model_dir_fixture,
 )
 
-
-def write_tiny_falcon(path: Path, variant: str, seed: int = 0) -> Path:
-    """A tiny random Falcon-H1 folder over the byte tokenizer's 320 ids (transformers `save_pretrained`)."""
-    return write_tiny_folder(falcon_model(variant, seed, vocab_size=320, eos_token_id=258), path)
-
-
-@pytest.fixture(scope="module", params=["norm-first", "no-norm"])
-def model_dir(request, tmp_path_factory):
-    return write_tiny_falcon(tmp_path_factory.mktemp(request.param), request.param)
+model_dir = tiny_model_dir_fixture(falcon_model, ["norm-first", "no-norm"])
 
 
 def test_the_engine_pools_hold_two_state_layers_a_decoder_layer(model_dir):

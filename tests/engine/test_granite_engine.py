@@ -5,10 +5,6 @@ test_fp8_mamba2_hybrids_engine.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
 from tests.models.granite_helpers import granite_model
 
 from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
@@ -18,15 +14,7 @@ from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on th
     test_options_that_do_not_apply_are_clear_errors,
     test_shared_prefixes_of_unaligned_lengths_hit_at_the_divergence_step,
     test_split_forward_equals_unsplit_on_cpu,
-    write_tiny_folder,
+    tiny_model_dir_fixture,
 )
 
-
-def write_tiny_granite(path: Path, variant: str, seed: int = 0) -> Path:
-    """A tiny random Granite folder over the byte tokenizer's 320 ids (transformers `save_pretrained`)."""
-    return write_tiny_folder(granite_model(variant, seed, vocab_size=320, eos_token_id=258), path)
-
-
-@pytest.fixture(scope="module", params=["moe-nope", "dense-rope"])
-def model_dir(request, tmp_path_factory):
-    return write_tiny_granite(tmp_path_factory.mktemp(request.param), request.param)
+model_dir = tiny_model_dir_fixture(granite_model, ["moe-nope", "dense-rope"])

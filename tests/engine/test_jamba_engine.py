@@ -5,9 +5,6 @@ do not apply to it (MTP, FP8, images, TP) are clear errors (`mamba2_hybrid_engin
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 import torch
 
 from hybridcache.config import EngineConfig
@@ -21,20 +18,12 @@ from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on th
     test_options_that_do_not_apply_are_clear_errors,
     test_shared_prefixes_of_unaligned_lengths_hit_at_the_divergence_step,
     test_split_forward_equals_unsplit_on_cpu,
-    write_tiny_folder,
+    tiny_model_dir_fixture,
 )
 from .test_cache_equivalence import finish_one, make_engine
 
-
-def write_tiny_jamba(path: Path, variant: str, seed: int = 0) -> Path:
-    """A tiny random Jamba folder over the byte tokenizer's 320 ids (transformers `save_pretrained`, which writes the
-    hub checkpoints' names: model.final_layernorm, the experts one by one)."""
-    return write_tiny_folder(jamba_model(variant, seed, vocab_size=320, eos_token_id=258), path)
-
-
-@pytest.fixture(scope="module", params=["moe", "dense"])
-def model_dir(request, tmp_path_factory):
-    return write_tiny_jamba(tmp_path_factory.mktemp(request.param), request.param)
+# (transformers `save_pretrained` writes the hub checkpoints' names: model.final_layernorm, the experts one by one)
+model_dir = tiny_model_dir_fixture(jamba_model, ["moe", "dense"])
 
 
 def test_the_mamba1_state_pools_follow_the_ssm_cache_dtype(model_dir):

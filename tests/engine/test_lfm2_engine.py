@@ -6,10 +6,6 @@ non-block-aligned steps; options that do not apply to it (MTP, FP8, images, TP) 
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
 from tests.models.lfm2_helpers import lfm2_model
 
 from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
@@ -19,16 +15,8 @@ from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on th
     test_options_that_do_not_apply_are_clear_errors,
     test_shared_prefixes_of_unaligned_lengths_hit_at_the_divergence_step,
     test_split_forward_equals_unsplit_on_cpu,
-    write_tiny_folder,
+    tiny_model_dir_fixture,
 )
 
-
-def write_tiny_lfm2(path: Path, variant: str, seed: int = 0) -> Path:
-    """A tiny random LFM2 or LFM2-MoE folder over the byte tokenizer's 320 ids (transformers `save_pretrained`: LFM2's
-    own tensor names, the experts one by one)."""
-    return write_tiny_folder(lfm2_model(variant, seed, vocab_size=320, eos_token_id=258), path)
-
-
-@pytest.fixture(scope="module", params=["bias-k3", "idxs-k4", "moe-norm"])
-def model_dir(request, tmp_path_factory):
-    return write_tiny_lfm2(tmp_path_factory.mktemp(request.param), request.param)
+# LFM2 and LFM2-MoE (transformers `save_pretrained` writes LFM2's own tensor names, the experts one by one)
+model_dir = tiny_model_dir_fixture(lfm2_model, ["bias-k3", "idxs-k4", "moe-norm"])

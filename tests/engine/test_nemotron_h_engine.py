@@ -22,20 +22,12 @@ from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on th
     test_options_that_do_not_apply_are_clear_errors,
     test_shared_prefixes_of_unaligned_lengths_hit_at_the_divergence_step,
     test_split_forward_equals_unsplit_on_cpu,
-    write_tiny_folder,
+    tiny_model_dir_fixture,
 )
 from .test_cache_equivalence import finish_one, make_engine
 
-
-def write_tiny_nemotron(path: Path, variant: str, seed: int = 0) -> Path:
-    """A tiny random Nemotron-H folder over the byte tokenizer's 320 ids (transformers `save_pretrained`, which
-    writes the hub checkpoints' `backbone.` names)."""
-    return write_tiny_folder(nemotron_model(variant, seed, vocab_size=320, eos_token_id=258), path)
-
-
-@pytest.fixture(scope="module", params=["groups2", "pattern-bias", "moe-groups", "moe-latent"])
-def model_dir(request, tmp_path_factory):
-    return write_tiny_nemotron(tmp_path_factory.mktemp(request.param), request.param)
+# (transformers `save_pretrained` writes the hub checkpoints' `backbone.` names)
+model_dir = tiny_model_dir_fixture(nemotron_model, ["groups2", "pattern-bias", "moe-groups", "moe-latent"])
 
 
 def test_auto_ssm_cache_dtype_reads_mamba_ssm_cache_dtype(model_dir, tmp_path):

@@ -5,9 +5,7 @@ clear errors (`mamba2_hybrid_engine_checks`, run here on OLMo folders)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
+import torch
 
 from tests.models.olmo_hybrid_helpers import olmo_model
 
@@ -18,19 +16,17 @@ from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on th
     test_options_that_do_not_apply_are_clear_errors,
     test_shared_prefixes_of_unaligned_lengths_hit_at_the_divergence_step,
     test_split_forward_equals_unsplit_on_cpu,
-    write_tiny_folder,
+    tiny_model_dir_fixture,
 )
 
 
-def write_tiny_olmo(path: Path, variant: str, seed: int = 0) -> Path:
-    """A tiny random OLMo Hybrid folder over the byte tokenizer's 320 ids (transformers `save_pretrained`, which writes
-    the conv as the checkpoints' q_conv1d / k_conv1d / v_conv1d). The DeltaNet head dims: "nope-gva" 16 and 32
-    (powers of two), "rope-bias" transformers' derived 12 and 24 (not, as the 7B's 96 / 192: the CUDA check here runs
-    the step and verify kernels' padded, masked tiles)."""
+def olmo_model_for_kernels(variant: str, seed: int, **kwargs) -> torch.nn.Module:
+    """A tiny random OLMo Hybrid (transformers' model: `save_pretrained` writes the conv as the checkpoints' q_conv1d /
+    k_conv1d / v_conv1d). The DeltaNet head dims: "nope-gva" 16 and 32 (powers of two), "rope-bias" transformers'
+    derived 12 and 24 (not, as the 7B's 96 / 192: the CUDA check here runs the step and verify kernels' padded,
+    masked tiles)."""
     dims = {"linear_key_head_dim": 16, "linear_value_head_dim": 32} if variant == "nope-gva" else {}
-    return write_tiny_folder(olmo_model(variant, seed, vocab_size=320, eos_token_id=258, **dims), path)
+    return olmo_model(variant, seed, **kwargs, **dims)
 
 
-@pytest.fixture(scope="module", params=["nope-gva", "rope-bias"])
-def model_dir(request, tmp_path_factory):
-    return write_tiny_olmo(tmp_path_factory.mktemp(request.param), request.param)
+model_dir = tiny_model_dir_fixture(olmo_model_for_kernels, ["nope-gva", "rope-bias"])
