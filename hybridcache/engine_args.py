@@ -223,8 +223,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "CPU, on CUDA the model's torch_dtype when it is bfloat16 or float16, else bfloat16 "
                              "(default: auto)")
     parser.add_argument(SSM_DTYPE_FLAG, default=AUTO, choices=[AUTO, *DTYPES],
-                        help="the recurrent (DeltaNet, Mamba2 or Mamba1 ssm) state in the state slots; auto: "
-                             "--mamba-cache-dtype when it names a dtype, else the model config's mamba_ssm_dtype "
+                        help="the recurrent ssm state (gated DeltaNet, KDA, Mamba2 or Mamba1) in the state slots; "
+                             "auto: --mamba-cache-dtype when it names a dtype, else the model config's mamba_ssm_dtype "
                              "when it has one, else float32. bfloat16 halves the state (about "
                              "twice the checkpoint states per GiB) but cached and uncached runs then differ by "
                              "bf16 rounding (default: auto)")

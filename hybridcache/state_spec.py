@@ -4,9 +4,10 @@ Two kinds of state, vLLM-spec style:
 
 - `AttentionSpec`: paged KV. Every attention layer owns, per kernel page, `kernel_block_size` tokens of
   keys and values; a scheduler block is `pages_per_block` pages. Block ids are shared by all attention layers.
-- `RecurrentSpec`: a fixed-size state per sequence, made of named tensors (gated DeltaNet: `conv`
-  [C, K-1] + `ssm` [Hv, Dk, Dv]; a Mamba2 layer would list its own). Slot ids are shared by all recurrent
-  layers: one slot covers every recurrent layer's every state tensor.
+- `RecurrentSpec`: a fixed-size state per sequence, made of named tensors (a conv-then-recurrence mixer, gated
+  DeltaNet, KDA, Mamba1 or Mamba2: `conv` [C, K-1] + `ssm`, e.g. [Hv, Dk, Dv] for gated DeltaNet, `conv_ssm_spec`;
+  LFM2's short convolution: `conv` alone). Slot ids are shared by all recurrent layers: one slot covers every
+  recurrent layer's every state tensor.
 
 Allocation groups layers with equal specs into one stacked tensor (one per `AttentionSpec`, one per
 `StateTensorSpec`), so a copy op is one batched copy per group, whatever the number of layers::
@@ -59,8 +60,8 @@ class RecurrentSpec:
 def conv_ssm_spec(conv1d: torch.nn.Conv1d, ssm_shape: tuple[int, ...], dtype: torch.dtype,
                   state_dtype: torch.dtype) -> RecurrentSpec:
     """The state of a mixer that runs a depthwise causal convolution, then a recurrence (Mamba1, Mamba2, gated
-    DeltaNet): "conv", the last K-1 pre-convolution inputs [C, K-1] of `conv1d` (C its channels, K its kernel size)
-    in the model `dtype`; "ssm", the recurrent state `ssm_shape` in `state_dtype`."""
+    DeltaNet, Kimi's KDA): "conv", the last K-1 pre-convolution inputs [C, K-1] of `conv1d` (C its channels, K its
+    kernel size) in the model `dtype`; "ssm", the recurrent state `ssm_shape` in `state_dtype`."""
     return RecurrentSpec(tensors=(
         StateTensorSpec(name="conv", shape=(conv1d.out_channels, conv1d.kernel_size[0] - 1), dtype=dtype),
         StateTensorSpec(name="ssm", shape=ssm_shape, dtype=state_dtype),

@@ -6,7 +6,8 @@ Accepted layouts of config.json:
 
 - a text model (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`,
   `GraniteMoeHybridForCausalLM`, `NemotronHForCausalLM`, `BambaForCausalLM`, `FalconH1ForCausalLM`,
-  `JambaForCausalLM`, `OlmoHybridForCausalLM`, `Lfm2ForCausalLM`, `Lfm2MoeForCausalLM`): every field at the top level;
+  `JambaForCausalLM`, `OlmoHybridForCausalLM`, `Lfm2ForCausalLM`, `Lfm2MoeForCausalLM`, `KimiLinearForCausalLM`):
+  every field at the top level;
 - a multimodal wrapper (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`): the
   language model's fields live in `text_config`; `architectures`, `tie_word_embeddings` and `eos_token_id`
   are read from the top level when present there, otherwise from `text_config`;
@@ -23,7 +24,7 @@ Accepted layouts of config.json:
 A field config.json leaves out (or sets to null) takes the default of transformers' configuration class of the
 model type (`Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`, `Qwen3NextConfig`, `GraniteMoeHybridConfig`,
 `NemotronHConfig`, `BambaConfig`, `FalconH1Config`, `JambaConfig`, `OlmoHybridConfig`, `Lfm2Config`,
-`Lfm2MoeConfig`: `_DEFAULTS`),
+`Lfm2MoeConfig`, `KimiLinearConfig`: `_DEFAULTS`),
 except the fields that size the model, which must be present: `vocab_size`, `hidden_size`, `num_hidden_layers`,
 `num_attention_heads`.
 
@@ -97,6 +98,17 @@ no width adjustment: `Lfm2MoeMLP` is intermediate_size wide) whose first `num_de
 MoE blocks: `num_experts` SiLU-gated experts of `moe_intermediate_size`, top `num_experts_per_tok` of sigmoid scores
 plus `expert_bias` (`use_expert_bias`; false is refused), their scores renormalised (+ 1e-6) when `norm_topk_prob`,
 times `routed_scaling_factor`; no shared expert (`GroupedRouting` with one group).
+Kimi Linear (`kimi_linear`): KDA ("linear_attention", the `gated_delta` group with as many key as value heads:
+`linear_attn_config`'s `num_heads` of `head_dim`, `short_conv_kernel_size`) and MLA ("full_attention", the `mla`
+group: `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`; `attention` holds its
+paged KV's shape, no rotary embedding) layers from `layer_types`, else `linear_attn_config`'s 1-based `kda_layers` /
+`full_attn_layers`; the checkpoints' spellings (`num_experts`, `num_experts_per_token`, `num_shared_experts`,
+`moe_renormalize`, `num_expert_group`, `model_max_length`) read as `KimiLinearConfig`'s names (`_KIMI_ALIASES`);
+dense SiLU MLPs in the "dense" layers of `mlp_layer_types` (else the first `first_k_dense_replace`), MoE blocks in the
+others (SiLU experts of `moe_intermediate_size`, group-limited sigmoid routing with `e_score_correction_bias`, a shared
+expert of `n_shared_experts` x moe_intermediate_size). Refused: `mla_use_nope` false, MTP layers, another router
+activation or `hidden_act`, `moe_layer_freq` other than 1, `attention_bias` true, num_key_value_heads other than
+num_attention_heads, the later models' `mla_use_output_gate` / `mhc` / `use_full_rank_gate`.
 A malformed file (not JSON, not an object, a field of the wrong type, a count of 0 that would divide) is a
 `ValueError` naming config.json and the field.
 """
@@ -522,14 +534,15 @@ class FeedForwardConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of one hybrid decoder-only model: the model-wide fields, then one group per layer
-    family (`attention`, `gated_delta`, `mamba2`, `mamba1`, `short_conv`) and the feed-forward group (`mlp`). A new
-    family is a new group, a new `LayerKind` and a new mixer. `gated_delta` holds transformers' Qwen defaults where the
-    model has no DeltaNet layer (nothing reads it then); `mamba2`, `mamba1` and `short_conv` are None where the model
-    has no such layer.
+    family (`attention`, `gated_delta`, `mamba2`, `mamba1`, `short_conv`, `mla`) and the feed-forward group (`mlp`). A
+    new family is a new group, a new `LayerKind` and a new mixer (Kimi Linear's KDA reuses `gated_delta` and
+    `LayerKind.LINEAR_ATTENTION`). `gated_delta` holds transformers' Qwen defaults where the model has no DeltaNet or
+    KDA layer (nothing reads it then); `mamba2`, `mamba1`, `short_conv` and `mla` are None where the model has no such
+    layer.
 
     `model_type` is the text model's type (`qwen3_5_text`, `qwen3_5_moe_text`, `qwen3_next`, `granitemoehybrid`,
-    `nemotron_h`, `bamba`, `falcon_h1`, `jamba`, `olmo_hybrid`, `lfm2`, `lfm2_moe`) even when config.json describes a
-    multimodal wrapper;
+    `nemotron_h`, `bamba`, `falcon_h1`, `jamba`, `olmo_hybrid`, `lfm2`, `lfm2_moe`, `kimi_linear`) even when
+    config.json describes a multimodal wrapper;
     `architecture` is the config.json entry as written.
     `mamba_ssm_dtype`: the recurrent state dtype config.json names (Qwen3.5 checkpoints say "float32"), None
     when it names none; what `--mamba-ssm-cache-dtype auto` resolves to (see `engine_args.auto_ssm_dtype`).
@@ -587,6 +600,7 @@ class ModelConfig:
 
     @property
     def mamba1_layer_ids(self) -> tuple[int, ...]:
+        """Layers with a Mamba1 mixer (Jamba's)."""
         return tuple(i for i, t in enumerate(self.layer_types) if t is LayerKind.MAMBA1)
 
     @property

@@ -1,7 +1,7 @@
-"""The decoder skeleton shared by Qwen3.5, Qwen3.5-MoE, Qwen3-Next, Jamba, LFM2, LFM2-MoE and OLMo Hybrid (their own
-norms, names and mixers: `models/jamba.py`, `models/lfm2.py`, `models/olmo_hybrid.py`) and (their layers their own:
-`models/granite.py`, `models/nemotron_h.py`, `models/bamba.py`, `models/falcon_h1.py`) Granite-4.0-H, Nemotron-H,
-Bamba and Falcon-H1.
+"""The decoder skeleton shared by Qwen3.5, Qwen3.5-MoE, Qwen3-Next, Jamba, LFM2, LFM2-MoE, OLMo Hybrid and Kimi Linear
+(their own norms, names and mixers: `models/jamba.py`, `models/lfm2.py`, `models/olmo_hybrid.py`,
+`models/kimi_linear.py`) and (their layers their own: `models/granite.py`, `models/nemotron_h.py`, `models/bamba.py`,
+`models/falcon_h1.py`) Granite-4.0-H, Nemotron-H, Bamba and Falcon-H1.
 
 Module tree (names equal the checkpoint tensor names)::
 
@@ -16,8 +16,9 @@ Module tree (names equal the checkpoint tensor names)::
 
 A decoder layer is a token mixer plus an optional feed-forward block; the mixer is registered under its
 checkpoint name. A model whose layers or norms differ (Granite, Nemotron-H, Bamba, Falcon-H1, OLMo Hybrid's post-norm
-attention layers) overrides `_layer` and `_norm`: the skeleton needs of a layer only `mixer` (whose `state_spec` it
-reads) and `forward_split`, of a norm `forward(x, backend)` and `add(x, residual, backend)`. A layer without state
+attention layers, Kimi Linear's KDA and MLA mixers) overrides `_layer` and `_norm`: the skeleton needs of a layer
+only `mixer` (whose `state_spec` it reads) and `forward_split`, of a norm `forward(x, backend)` and
+`add(x, residual, backend)`. A layer without state
 (Nemotron-H's MLP layers) declares a `RecurrentSpec` of no tensors: the pools hold an empty mapping for it.
 `config.multipliers` scales the embedding and the logits (1 but for Granite and Falcon-H1).
 Device state: each layer's mixer declares a spec (`state_spec`); `state_specs()` lists

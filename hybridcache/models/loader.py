@@ -24,6 +24,10 @@ Tensor name rules, applied to every checkpoint tensor in this order:
    norm) -> `model.norm.weight`; LFM2-MoE's `feed_forward.expert_bias` -> `feed_forward.gate.e_score_correction_bias`
    and its experts `feed_forward.experts.{e}.w1 / w3 / w2` -> `feed_forward.experts.{e}.gate_proj / up_proj /
    down_proj` (`RENAMED_EXPERTS`; its router `feed_forward.gate.weight` and stacked experts keep their names);
+   Kimi Linear's KDA gate under transformers' in-memory names, `self_attn.forget_gate.f_a_proj / f_b_proj / dt_bias
+   / A_log` -> `self_attn.f_a_proj / ...` (the released checkpoints hold the latter), and its dense layers' MLP as
+   transformers' `save_pretrained` writes it, `block_sparse_moe.gate_proj / up_proj / down_proj` -> `mlp.gate_proj /
+   up_proj / down_proj`;
 3. MoE experts are accepted in either form, mapped onto our per-expert modules:
    - per expert, as hub checkpoints and transformers 5.24 `save_pretrained` write them:
      `...mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj.weight` [I, H], `down_proj.weight` [H, I];
@@ -37,7 +41,8 @@ Tensor name rules, applied to every checkpoint tensor in this order:
 4. row blocks of one parameter (`CONCATENATED_SUFFIXES`): OLMo Hybrid's `linear_attn.q_conv1d.weight`,
    `k_conv1d.weight` and `v_conv1d.weight` (as its checkpoints write them) are the rows of our
    `linear_attn.conv1d.weight`, in that order (transformers concatenates them the same way); the one tensor
-   `linear_attn.conv1d.weight` (transformers' in-memory name) loads too;
+   `linear_attn.conv1d.weight` (transformers' in-memory name) loads too; Kimi Linear's KDA layers' `self_attn.q_conv1d`
+   / `k_conv1d` / `v_conv1d` alike, into `self_attn.conv1d.weight`;
 5. every other name must equal one of our parameter names exactly.
 
 A missing tensor, an unexpected tensor, a shape mismatch, a parameter given twice (one name in two shards, `model.X`
@@ -95,7 +100,7 @@ RENAMED_NAMES = {"model.embeddings.weight": "model.embed_tokens.weight", "model.
                  "model.final_layernorm.weight": "model.norm.weight",
                  "model.embedding_norm.weight": "model.norm.weight"}
 RENAMED_SUFFIXES = (  # Granite's MoE block (and its FP8 scales) and OLMo Hybrid's norms, as transformers' conversion
-    # mapping renames them
+    # mapping renames them; LFM2's and Kimi Linear's names onto ours
     (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
     (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
     (".block_sparse_moe.input_linear.weight_scale", ".block_sparse_moe.experts.gate_up_proj.weight_scale"),
@@ -109,6 +114,9 @@ RENAMED_SUFFIXES = (  # Granite's MoE block (and its FP8 scales) and OLMo Hybrid
     (".feed_forward.w1.weight", ".feed_forward.gate_proj.weight"),
     (".feed_forward.w3.weight", ".feed_forward.up_proj.weight"),
     (".feed_forward.w2.weight", ".feed_forward.down_proj.weight"),
+    (".self_attn.out_proj.weight", ".self_attn.o_proj.weight"),
+    (".self_attn.q_layernorm.weight", ".self_attn.q_norm.weight"),
+    (".self_attn.k_layernorm.weight", ".self_attn.k_norm.weight"),
     (".feed_forward.expert_bias", ".feed_forward.gate.e_score_correction_bias"),  # (LFM2-MoE's router's bias)
     # Kimi Linear's KDA gate under transformers' in-memory names (the released checkpoints hold them directly)
     (".self_attn.forget_gate.f_a_proj.weight", ".self_attn.f_a_proj.weight"),
@@ -119,16 +127,14 @@ RENAMED_SUFFIXES = (  # Granite's MoE block (and its FP8 scales) and OLMo Hybrid
     (".block_sparse_moe.gate_proj.weight", ".mlp.gate_proj.weight"),
     (".block_sparse_moe.up_proj.weight", ".mlp.up_proj.weight"),
     (".block_sparse_moe.down_proj.weight", ".mlp.down_proj.weight"),
-    (".self_attn.out_proj.weight", ".self_attn.o_proj.weight"),
-    (".self_attn.q_layernorm.weight", ".self_attn.q_norm.weight"),
-    (".self_attn.k_layernorm.weight", ".self_attn.k_norm.weight"),
 )
 # LFM2-MoE's experts one by one: feed_forward.experts.{e}.w1 / w3 / w2 -> feed_forward.experts.{e}.gate_proj /
 # up_proj / down_proj
 RENAMED_EXPERTS = (re.compile(r"\.feed_forward\.experts\.(?P<e>\d+)\.(?P<w>w[123])\.weight$"),
                    {"w1": ".feed_forward.experts.{}.gate_proj.weight", "w3": ".feed_forward.experts.{}.up_proj.weight",
                     "w2": ".feed_forward.experts.{}.down_proj.weight"})
-# Our parameter -> the checkpoint tensors that are its row blocks, in order (OLMo Hybrid's short convolutions)
+# Our parameter -> the checkpoint tensors that are its row blocks, in order (OLMo Hybrid's and Kimi Linear's short
+# convolutions)
 CONCATENATED_SUFFIXES = {
     ".linear_attn.conv1d.weight": (".linear_attn.q_conv1d.weight", ".linear_attn.k_conv1d.weight",
                                    ".linear_attn.v_conv1d.weight"),
@@ -670,7 +676,7 @@ def _dummy_format(fmt: quant.Fp8Format | None, quantization: str | None) -> quan
 
 def _check_fp8_support(model_cls: type[HybridCausalLM], config: ModelConfig, fp8_weights: bool, kv_fp8: bool) -> None:
     """ValueError naming the architecture when FP8 weights (an FP8 checkpoint or `quantization`) or FP8 KV are asked
-    of a model class without them (`HybridCausalLM.supports_fp8` false: a Mamba2 hybrid that does not declare it)."""
+    of a model class without them (`HybridCausalLM.supports_fp8` false: a model class that does not declare it)."""
     if model_cls.supports_fp8 or not (fp8_weights or kv_fp8):
         return
     asked = "FP8 weights (an FP8 checkpoint or --quantization fp8)" if fp8_weights else "an FP8 KV cache"
