@@ -17,7 +17,7 @@ Module tree (names equal the checkpoint tensor names; the loader renames `model.
     model.norm (checkpoint: final_layernorm), lm_head
 
 A layer: h = h + mixer(input_layernorm(h)); h = h + feed_forward(pre_ff_layernorm(h)). Not supported (a ValueError
-says so): tensor parallelism, FP8 weights or KV, MTP.
+says so): tensor parallelism, FP8 weights or KV, MTP, images.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ addressed by the sequence's blocks), 2i + 1 its Mamba2 mixer (a `RecurrentSpec`,
 group them by spec as for any model (one KV group for the L attention state layers, one conv and one ssm group for
 the L Mamba2 ones), so the cache, the copy plans and the scheduler see blocks and slots as ever.
 
-Not supported (a ValueError says so): tensor parallelism, FP8 weights or KV, MTP.
+Not supported (a ValueError says so): tensor parallelism, FP8 weights or KV, MTP, images.
 """
 
 from __future__ import annotations

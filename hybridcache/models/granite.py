@@ -24,7 +24,7 @@ The RMSNorms run as torch ops on every device (transformers' rounding: normalise
 dtype, then times the weight). FP8: compressed-tensors FP8_DYNAMIC checkpoints as llm-compressor's Granite-4.0-H
 recipe writes them (the stacked experts' `input_linear.weight_scale` [E, 2I, 1] split per expert by the loader; the
 router dense), the other FP8 layouts the loader reads, `--quantization fp8`, FP8 KV (`GraniteAttention.kv_dtype`).
-Not supported (a ValueError says so): tensor parallelism, MTP.
+Not supported (a ValueError says so): tensor parallelism, MTP, images.
 """
 
 from __future__ import annotations

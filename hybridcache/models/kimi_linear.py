@@ -40,7 +40,7 @@ scale Dqk^-1/2. The paged KV holds the expanded keys and values of every head, z
 `MLAConfig.cache_head_dim` D (queries padded alike, so q.k is unchanged; the padded output channels are dropped):
 2 x H x D values a token and layer (bf16, the released models: 2 x 32 x 256 x 2 B = 32 KiB).
 
-Not supported (a ValueError says so): tensor parallelism, FP8 weights or KV, MTP, MLA with rotary embedding.
+Not supported (a ValueError says so): tensor parallelism, FP8 weights or KV, MTP, MLA with rotary embedding, images.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from hybridcache.layers.step import StepContext
 from hybridcache.models.config import LayerKind, MLAConfig, ModelConfig
 from hybridcache.models.hybrid_lm import DecoderLayer, HybridCausalLM
 from hybridcache.models.nemotron_h import GroupedTopKRouter
-from hybridcache.state_spec import AttentionSpec, RecurrentSpec, StateTensorSpec
+from hybridcache.state_spec import AttentionSpec, RecurrentSpec, conv_ssm_spec
 
 # The epsilon of MLA's latent norms (q_a_layernorm, kv_a_layernorm): transformers builds them at its RMSNorm's
 # default, not at the config's rms_norm_eps (1e-5 in the released config), which the other norms use
@@ -113,11 +113,7 @@ class KimiDeltaAttention(nn.Module):
 
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> RecurrentSpec:
         """conv: the last W-1 pre-convolution inputs [3*H*K, W-1] (model dtype); ssm: S [H, K, K] (state dtype)."""
-        conv_width = self.conv1d.kernel_size[0] - 1
-        return RecurrentSpec(tensors=(
-            StateTensorSpec(name="conv", shape=(self.conv1d.out_channels, conv_width), dtype=dtype),
-            StateTensorSpec(name="ssm", shape=(self.num_heads, self.head_dim, self.head_dim), dtype=state_dtype),
-        ))
+        return conv_ssm_spec(self.conv1d, (self.num_heads, self.head_dim, self.head_dim), dtype, state_dtype)
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> g [T, H, K] fp32 = -exp(A_log) * softplus(f_b_proj(f_a_proj(x)) + dt_bias)."""
@@ -247,7 +243,7 @@ class KimiMoE(nn.Module):
 class KimiLinearForCausalLM(HybridCausalLM):
     supported_model_types = ("kimi_linear",)
     supports_fp8 = False
-    single_rank_reason = "its KDA, MLA and MoE layers are not split across ranks yet"
+    single_rank_reason = "its KDA, MLA and MoE layers are not split across ranks"
 
     def _layer(self, layer_id: int) -> nn.Module:
         c = self.config

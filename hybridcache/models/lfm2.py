@@ -30,7 +30,7 @@ bf16, where a near tie may pick another expert). The attention is plain GQA
 (`norm_eps`), then RoPE on the whole head. The norms round x / rms(x) to the model dtype before the weight multiplies
 (transformers' Lfm2RMSNorm, Granite's).
 
-Not supported (a ValueError says so): tensor parallelism, FP8 weights or KV, MTP.
+Not supported (a ValueError says so): tensor parallelism, FP8 weights or KV, MTP, images.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class Lfm2MoE(nn.Module):
 class Lfm2ForCausalLM(HybridCausalLM):
     supported_model_types = ("lfm2",)
     supports_fp8 = False
-    single_rank_reason = "its short-convolution and attention layers are not split across ranks yet"
+    single_rank_reason = "its short-convolution and attention layers are not split across ranks"
 
     def _layer(self, layer_id: int) -> nn.Module:
         c = self.config

@@ -34,7 +34,7 @@ attention, Mamba and router layers stay dense, as the checkpoint holds them), co
 ones, `--quantization fp8`; FP8 KV with the checkpoint's `mixer.k_proj.k_scale` / `v_proj.v_scale`. On CUDA FP8
 MoE layers' relu^2 experts run on the FP8 grouped expert GEMM's relu^2 epilogue (`moe(..., activation="relu2")`),
 the shared expert on two dense FP8 linears. Not supported (a ValueError says so): tensor parallelism, MTP
-(`num_nextn_predict_layers`: its `mtp.` tensors are not loaded).
+(`num_nextn_predict_layers`: its `mtp.` tensors are not loaded), images.
 """
 
 from __future__ import annotations

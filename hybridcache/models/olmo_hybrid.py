@@ -29,7 +29,7 @@ whose q_norm / k_norm normalise each token's whole query / key projection (every
 RoPE on the whole head, unless config.json writes rope_theta null (the released checkpoints: no rotary embedding).
 
 Not supported (a ValueError says so): tensor parallelism (the q_norm / k_norm over every head would need the ranks'
-heads gathered), FP8 weights or KV, MTP.
+heads gathered), FP8 weights or KV, MTP, images.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class OlmoHybridForCausalLM(HybridCausalLM):
     deltanet_norm_eps = GATED_NORM_EPS
     supported_model_types = ("olmo_hybrid",)
     supports_fp8 = False
-    single_rank_reason = "its attention's q_norm / k_norm span every head (no split of them across ranks yet)"
+    single_rank_reason = "its attention layers are not split across ranks (their q_norm / k_norm span every head)"
 
     def _layer(self, layer_id: int) -> nn.Module:
         c = self.config
