@@ -1,9 +1,10 @@
 """The engine checks every hybrid family's test file runs on its own `model_dir` fixture (a tiny random folder from
 `write_tiny_folder`): cached == uncached on the randomized workload, hits at non-block-aligned divergence steps,
 `LLM.generate` with and without the prefix cache, the piecewise prefill split, cached == uncached on CUDA, and the
-refusal of the options that do not apply to the family (MTP, images; FP8 where the model class does not declare it,
-tensor parallelism where it runs on one rank). A test file imports them by name (pytest collects them there, with
-that file's `model_dir`, made by `tiny_model_dir_fixture`): test_granite_engine.py, test_nemotron_h_engine.py,
+refusal of the options that do not apply to the family (MTP, images; FP8 where the test file's `SERVES_FP8` is
+False, tensor parallelism where it runs on one rank). A test file imports them by name (pytest collects them there,
+with that file's `model_dir`, made by `tiny_model_dir_fixture`, and its module-level `SERVES_FP8`):
+test_granite_engine.py, test_nemotron_h_engine.py,
 test_bamba_engine.py, test_falcon_h1_engine.py (Mamba2), test_jamba_engine.py (Mamba1), test_olmo_hybrid_engine.py
 (gated DeltaNet), test_lfm2_engine.py (short convolution), test_kimi_linear_engine.py (KDA). A new recurrent family
 needs no change of the cache for them to pass. (Written for the Mamba2 hybrids first, hence the file's name.)"""
@@ -131,17 +132,19 @@ def test_cuda_fp32_cached_run_equals_uncached_run(model_dir):
     assert_same(cached, uncached, run_workload(cached, check_every_step=True), run_workload(uncached))
 
 
-def test_options_that_do_not_apply_are_clear_errors(model_dir):
+def test_options_that_do_not_apply_are_clear_errors(model_dir, request):
     """Refused naming the architecture, before any worker starts: speculative 'mtp' (these families have no Qwen MTP
-    head: `mtp.check_mtp_model_type`), FP8 weights and KV where the model class does not declare them
-    (`supports_fp8`), tensor parallelism where it runs on one rank (`single_rank_reason`); an image is refused by the
-    running engine."""
+    head: `mtp.check_mtp_model_type`), FP8 weights and KV where the family's test file says it serves no FP8 (its
+    module-level `SERVES_FP8`, which the model class's `supports_fp8` must equal), tensor parallelism where it runs on
+    one rank (`single_rank_reason`); an image is refused by the running engine."""
     config = ModelConfig.from_model_dir(model_dir)
     arch, model_cls = config.architecture, get_model_class(config.architecture)
+    serves_fp8 = request.module.SERVES_FP8
+    assert model_cls.supports_fp8 is serves_fp8, f"{model_cls.__name__}.supports_fp8 should be {serves_fp8}"
     mtp = (f"'mtp' is not supported for {arch}" if config.model_type in OTHER_MTP_MODEL_TYPES
            else f"'mtp' needs a model with MTP layers; {arch} has none")
     refused = [({"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}, mtp)]
-    if not model_cls.supports_fp8:
+    if not serves_fp8:
         refused += [({"quantization": "fp8"}, f"{arch} does not support FP8 weights"),
                     ({"kv_cache_dtype": "fp8"}, f"{arch} does not support an FP8 KV cache")]
     if model_cls.single_rank_reason is not None:

@@ -24,6 +24,8 @@ from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on th
     tiny_model_dir_fixture,
 )
 
+# FP8 weights and KV: refused (the shared refusal test checks the model class's `supports_fp8` against it)
+SERVES_FP8 = False
 model_dir = tiny_model_dir_fixture(falcon_model, ["norm-first", "no-norm"])
 
 

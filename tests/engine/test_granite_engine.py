@@ -17,4 +17,6 @@ from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on th
     tiny_model_dir_fixture,
 )
 
+# FP8 weights and KV: served (the shared refusal test checks the model class's `supports_fp8` against it)
+SERVES_FP8 = True
 model_dir = tiny_model_dir_fixture(granite_model, ["moe-nope", "dense-rope"])

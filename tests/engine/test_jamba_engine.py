@@ -23,6 +23,8 @@ from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on th
 from .test_cache_equivalence import finish_one, make_engine
 
 # (transformers `save_pretrained` writes the hub checkpoints' names: model.final_layernorm, the experts one by one)
+# FP8 weights and KV: refused (the shared refusal test checks the model class's `supports_fp8` against it)
+SERVES_FP8 = False
 model_dir = tiny_model_dir_fixture(jamba_model, ["moe", "dense"])
 
 

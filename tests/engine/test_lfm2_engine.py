@@ -19,4 +19,6 @@ from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on th
 )
 
 # LFM2 and LFM2-MoE (transformers `save_pretrained` writes LFM2's own tensor names, the experts one by one)
+# FP8 weights and KV: refused (the shared refusal test checks the model class's `supports_fp8` against it)
+SERVES_FP8 = False
 model_dir = tiny_model_dir_fixture(lfm2_model, ["bias-k3", "idxs-k4", "moe-norm"])

@@ -27,6 +27,8 @@ from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on th
 from .test_cache_equivalence import finish_one, make_engine
 
 # (transformers `save_pretrained` writes the hub checkpoints' `backbone.` names)
+# FP8 weights and KV: served (the shared refusal test checks the model class's `supports_fp8` against it)
+SERVES_FP8 = True
 model_dir = tiny_model_dir_fixture(nemotron_model, ["groups2", "pattern-bias", "moe-groups", "moe-latent"])
 
 

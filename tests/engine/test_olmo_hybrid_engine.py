@@ -29,4 +29,6 @@ def olmo_model_for_kernels(variant: str, seed: int, **kwargs) -> torch.nn.Module
     return olmo_model(variant, seed, **kwargs, **dims)
 
 
+# FP8 weights and KV: refused (the shared refusal test checks the model class's `supports_fp8` against it)
+SERVES_FP8 = False
 model_dir = tiny_model_dir_fixture(olmo_model_for_kernels, ["nope-gva", "rope-bias"])
