@@ -246,6 +246,7 @@ def test_cuda_backend_moe_with_fp8_experts_matches_the_reference(activation, tok
     rounding (W8A8 at decode; the Triton prefill tile at 700 tokens, 175 rows per expert): 1e-1 of the largest
     output as the SiLU-gated experts' CUDA test bounds it, and `W8A8_TOL` in the Frobenius norm (this test's
     arithmetic emulated in fp32 on the CPU: 3.7-4.9e-2; an indexing or scale bug is O(1))."""
+    from hybridcache.kernels.attention.reference_backend import ReferenceAttention
     from hybridcache.kernels.backend import ReferenceBackend
     from hybridcache.kernels.cuda_backend import CudaBackend
 
@@ -254,7 +255,7 @@ def test_cuda_backend_moe_with_fp8_experts_matches_the_reference(activation, tok
     experts = block_experts(hidden, inter, num_experts, generator, CHANNEL, gated=activation == "silu_gated").cuda()
     x = torch.randn(tokens, hidden, generator=generator).cuda().bfloat16()
     top_weights, top_ids = (t.cuda() for t in routes(tokens, num_experts, top_k, generator))
-    backend = CudaBackend()
+    backend = CudaBackend(ReferenceAttention())
     got = backend.moe(x, top_weights, top_ids, experts, activation=activation)
     want = ReferenceBackend().moe(x, top_weights, top_ids, experts, activation=activation)
     print(f"{activation} at {tokens} tokens: {rel(got, want):.2e} of the largest output, {fro(got, want):.2e}")

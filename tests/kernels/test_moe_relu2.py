@@ -120,9 +120,10 @@ def test_cuda_relu2_experts_match_the_reference(dtype: torch.dtype) -> None:
 
 @needs_cuda
 def test_cuda_backend_moe_keeps_the_activation_of_its_stack() -> None:
+    from hybridcache.kernels.attention.reference_backend import ReferenceAttention
     from hybridcache.kernels.cuda_backend import CudaBackend
 
-    backend = CudaBackend()
+    backend = CudaBackend(ReferenceAttention())
     experts = ungated_experts(4, 64, 32, seed=8).to("cuda", torch.bfloat16)
     x = torch.randn(6, 64, device="cuda", dtype=torch.bfloat16)
     weights, ids = routing(6, 4, 2, seed=9)
