@@ -92,7 +92,7 @@ def test_defaults_are_transformers_defaults():
     num_attention_heads, as transformers reads it."""
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS
+    from hybridcache.models.config.defaults import _DEFAULTS
 
     hf = transformers.BambaConfig()
     for key, value in _DEFAULTS["bamba"].items():

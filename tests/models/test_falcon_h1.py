@@ -141,7 +141,7 @@ def test_defaults_are_transformers_defaults():
     mamba_expand * hidden_size, num_key_value_heads written null num_attention_heads, as transformers reads them."""
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS
+    from hybridcache.models.config.defaults import _DEFAULTS
 
     hf = transformers.FalconH1Config()
     for key, value in _DEFAULTS["falcon_h1"].items():

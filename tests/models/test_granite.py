@@ -117,7 +117,7 @@ def test_defaults_are_transformers_defaults():
     """The fields config.json may leave out take `GraniteMoeHybridConfig`'s defaults."""
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS
+    from hybridcache.models.config.defaults import _DEFAULTS
 
     hf = transformers.GraniteMoeHybridConfig()
     for key, value in _DEFAULTS["granitemoehybrid"].items():

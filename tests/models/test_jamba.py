@@ -102,7 +102,7 @@ def test_defaults_are_transformers_defaults():
     """The fields config.json may leave out take `JambaConfig`'s defaults."""
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS
+    from hybridcache.models.config.defaults import _DEFAULTS
 
     hf = transformers.JambaConfig()
     for key, value in _DEFAULTS["jamba"].items():
@@ -135,7 +135,7 @@ def test_config_refuses_what_it_cannot_run(field, value, message):
         ModelConfig.from_dict(raw)
 
 
-# the fields read for Jamba that JambaConfig requires a value of (`config._JAMBA_NOT_NULL`)
+# the fields read for Jamba that JambaConfig requires a value of (`config.jamba._JAMBA_NOT_NULL`)
 NOT_NULL = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
     "hidden_act", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "num_experts", "num_local_experts",
@@ -169,7 +169,8 @@ def test_every_default_jambaconfig_requires_is_refused_when_null():
 
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS, _JAMBA_NOT_NULL
+    from hybridcache.models.config.defaults import _DEFAULTS
+    from hybridcache.models.config.jamba import _JAMBA_NOT_NULL
 
     assert _JAMBA_NOT_NULL == NOT_NULL
     required = {f.name for f in dataclasses.fields(transformers.JambaConfig) if "None" not in str(f.type)}

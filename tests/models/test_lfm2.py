@@ -104,7 +104,7 @@ def test_defaults_are_transformers_defaults():
     """The fields config.json may leave out take `Lfm2Config`'s defaults."""
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS
+    from hybridcache.models.config.defaults import _DEFAULTS
 
     hf = transformers.Lfm2Config()
     for key, value in _DEFAULTS["lfm2"].items():
@@ -153,7 +153,7 @@ def test_moe_defaults_are_transformers_defaults():
     block_ff_dim alias (Lfm2MoeMLP is intermediate_size wide)."""
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS
+    from hybridcache.models.config.defaults import _DEFAULTS
 
     hf = transformers.Lfm2MoeConfig()
     for key, value in _DEFAULTS["lfm2_moe"].items():

@@ -142,7 +142,7 @@ def test_defaults_are_transformers_defaults():
     """The fields config.json may leave out take `NemotronHConfig`'s defaults."""
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS
+    from hybridcache.models.config.defaults import _DEFAULTS
 
     hf = transformers.NemotronHConfig()
     for key, value in _DEFAULTS["nemotron_h"].items():

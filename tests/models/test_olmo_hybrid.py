@@ -71,7 +71,7 @@ def test_defaults_are_transformers_defaults():
     """The fields config.json may leave out take `OlmoHybridConfig`'s defaults, the derived ones included."""
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS
+    from hybridcache.models.config.defaults import _DEFAULTS
 
     hf = transformers.OlmoHybridConfig()
     for key, value in _DEFAULTS["olmo_hybrid"].items():
