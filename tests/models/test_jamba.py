@@ -16,13 +16,13 @@ from hybridcache.models import ModelConfig, get_model_class, load_model
 from hybridcache.models.config import LayerKind
 
 from .helpers import TOLERANCE, PagedRunner, random_tokens, rel_err
-from .jamba_helpers import VARIANTS, jamba_config, jamba_model, make_jamba_pair
-from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file's `pair`
+from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `pair`
     test_decode_after_prefill_matches_full_and_incremental_forward,
     test_mixed_batch_of_prefill_chunks_and_decodes,
     test_single_prefill_and_chunked_prefill,
     test_the_comparison_notices_a_lost_recurrent_state,
 )
+from .jamba_helpers import VARIANTS, jamba_config, jamba_model, make_jamba_pair
 
 MAMBA, ATTENTION = LayerKind.MAMBA1, LayerKind.FULL_ATTENTION
 # ai21labs/Jamba-v0.1's config.json as published (AI21-Jamba-1.5-Mini's writes the same fields, with eos_token_id
