@@ -62,7 +62,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "attn_layer_period": 8, "attn_layer_offset": 4, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
         "mamba_dt_rank": "auto", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
     },
-    # (`OlmoHybridConfig`; the head counts and dims it derives from other fields: `_olmo_defaults`)
+    # (`OlmoHybridConfig`; the head counts and dims it derives from other fields: `olmo_hybrid._olmo_defaults`)
     "olmo_hybrid": {
         "max_position_embeddings": 65536, "rms_norm_eps": 1e-6, "intermediate_size": 11008, "rope_theta": 10000.0,
         "partial_rotary_factor": 1.0, "linear_conv_kernel_dim": 4,
@@ -73,8 +73,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0, "partial_rotary_factor": 1.0, "conv_L_cache": 3, "block_multiple_of": 256,
         "block_ffn_dim_multiplier": 1.0,
     },
-    # (`KimiLinearConfig`, under the names transformers keeps: `_KIMI_ALIASES` maps the checkpoints' spellings;
-    # num_key_value_heads: num_attention_heads, set when parsed)
+    # (`KimiLinearConfig`, under the names transformers keeps: `kimi_linear._KIMI_ALIASES` maps the checkpoints'
+    # spellings; num_key_value_heads: num_attention_heads, set when parsed)
     "kimi_linear": {
         "max_position_embeddings": 1048576, "rms_norm_eps": 1e-5, "intermediate_size": 9216,
         "moe_intermediate_size": 1024, "num_local_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
