@@ -51,7 +51,8 @@ from pathlib import Path
 from hybridcache.cache import CostModel
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine_args import AUTO, auto_ssm_dtype
-from hybridcache.models.config import RECURRENT_KINDS, LayerKind, MLAConfig, ModelConfig
+from hybridcache.models.config import LayerKind, MLAConfig, ModelConfig
+from hybridcache.models.config.kinds import RECURRENT_KINDS
 
 # The model types whose attention has an output gate (q_proj twice as wide) and whose shared expert has a gate (the
 # others: neither)

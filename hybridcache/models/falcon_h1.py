@@ -44,7 +44,7 @@ from hybridcache.layers.norm import RMSNorm
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import ModelConfig
 from hybridcache.models.granite import GraniteAttention
-from hybridcache.models.mamba2_hybrid import MambaHybridLM, mamba2_mixer
+from hybridcache.models.mamba_hybrid import MambaHybridLM, mamba2_mixer
 from hybridcache.state_spec import LayerSpec, LayerState
 
 

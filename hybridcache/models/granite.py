@@ -41,7 +41,7 @@ from hybridcache.layers.mlp import MLP
 from hybridcache.layers.norm import RMSNorm
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import LayerKind, ModelConfig
-from hybridcache.models.mamba2_hybrid import MambaHybridLM, mamba2_mixer
+from hybridcache.models.mamba_hybrid import MambaHybridLM, mamba2_mixer
 from hybridcache.state_spec import AttentionSpec, LayerState
 
 

@@ -38,7 +38,7 @@ from hybridcache.layers.step import StepContext
 from hybridcache.models.config import LayerKind, ModelConfig
 from hybridcache.models.granite import GraniteAttention, GraniteMoE
 from hybridcache.models.hybrid_lm import DecoderLayer
-from hybridcache.models.mamba2_hybrid import MambaHybridLM
+from hybridcache.models.mamba_hybrid import MambaHybridLM
 
 
 class JambaMoE(GraniteMoE):

@@ -87,7 +87,8 @@ import torch
 import hybridcache.kernels.backend as kernel_backend
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
 from hybridcache.models import quant
-from hybridcache.models.config import ModelConfig, read_json_object
+from hybridcache.models.config import ModelConfig
+from hybridcache.models.config.fields import read_json_object
 from hybridcache.models.hybrid_lm import HybridCausalLM
 from hybridcache.models.registry import get_model_class
 

@@ -56,7 +56,8 @@ from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
 from hybridcache.layers.rotary import batch_cos_sin
 from hybridcache.layers.step import StepContext
-from hybridcache.models.config import ModelConfig, read_json_object
+from hybridcache.models.config import ModelConfig
+from hybridcache.models.config.fields import read_json_object
 from hybridcache.models.hybrid_lm import DecoderLayer, HybridCausalLM
 from hybridcache.state_spec import AttentionSpec, LayerState
 

@@ -48,7 +48,7 @@ from hybridcache.layers.norm import RMSNorm
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import GroupedRouting, LayerKind, ModelConfig
 from hybridcache.models.granite import GraniteAttention
-from hybridcache.models.mamba2_hybrid import MambaHybridLM, mamba2_mixer
+from hybridcache.models.mamba_hybrid import MambaHybridLM, mamba2_mixer
 from hybridcache.state_spec import LayerState, RecurrentSpec
 
 

@@ -58,7 +58,7 @@ from hybridcache.fp8_format import BLOCK, CHANNEL, Fp8Format
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.linear import Fp8Linear
 from hybridcache.layers.parallel import Shard
-from hybridcache.models.config import read_json_object
+from hybridcache.models.config.fields import read_json_object
 
 _logger = logging.getLogger(__name__)
 QUANTIZATIONS = ("fp8",)  # `--quantization` values: quantise a bf16 checkpoint at load

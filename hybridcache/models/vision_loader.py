@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hybridcache.models.config import read_json_object
+from hybridcache.models.config.fields import read_json_object
 from hybridcache.models.vision import VisionTower
 from hybridcache.models.vision_config import VisionConfig
 

@@ -1,12 +1,12 @@
 """Bamba (Mamba2 + attention, Granite's layer under Bamba's names) through the engine: cached and uncached runs compute
 the same thing, the cache hits at non-block-aligned steps, the split prefill equals the unsplit one; options that do
-not apply to it (MTP, FP8, images, TP) are clear errors (`mamba2_hybrid_engine_checks`)."""
+not apply to it (MTP, FP8, images, TP) are clear errors (`hybrid_family_checks`)."""
 
 from __future__ import annotations
 
 from tests.models.bamba_helpers import bamba_model
 
-from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
+from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
     test_cached_run_equals_uncached_run,
     test_cuda_fp32_cached_run_equals_uncached_run,
     test_llm_generate_with_and_without_the_prefix_cache,

@@ -2,7 +2,7 @@
 layers (its paged KV and its Mamba2 state), and the pools, the checkpoints and the prefix cache need no change for it:
 cached and uncached runs compute the same thing, the cache hits at non-block-aligned steps, the split prefill equals
 the unsplit one; dummy weights draw its norms around 1; options that do not apply to it (MTP, FP8, images, TP) are
-clear errors (`mamba2_hybrid_engine_checks`)."""
+clear errors (`hybrid_family_checks`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hybridcache.models import load_model
 from tests.models.falcon_h1_helpers import falcon_model
 from tests.models.helpers import PagedRunner, random_tokens
 
-from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
+from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
     test_cached_run_equals_uncached_run,
     test_cuda_fp32_cached_run_equals_uncached_run,
     test_llm_generate_with_and_without_the_prefix_cache,

@@ -18,7 +18,7 @@ from hybridcache.server.engine_state import read_engine_state
 from tests.models.granite_helpers import granite_model
 from tests.models.nemotron_helpers import nemotron_model
 
-from .mamba2_hybrid_engine_checks import (
+from .hybrid_family_checks import (
     test_cached_run_equals_uncached_run,  # noqa: F401 - on `model_dir` here
     write_tiny_folder,
 )

@@ -1,7 +1,7 @@
 """Jamba (Mamba1, attention, dense and MoE feed-forward blocks) through the engine: a Mamba1 layer's conv [I, K-1]
 and ssm [I, N] state join the slot like any recurrent layer's, so the pools, the checkpoints and the prefix cache need
 no change; cached and uncached runs compute the same thing, the cache hits at non-block-aligned steps; options that
-do not apply to it (MTP, FP8, images, TP) are clear errors (`mamba2_hybrid_engine_checks`)."""
+do not apply to it (MTP, FP8, images, TP) are clear errors (`hybrid_family_checks`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
 from tests.models.jamba_helpers import jamba_model
 
-from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
+from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
     test_cached_run_equals_uncached_run,
     test_cuda_fp32_cached_run_equals_uncached_run,
     test_llm_generate_with_and_without_the_prefix_cache,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tests.models.kimi_helpers import kimi_model
 
-from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
+from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
     test_cached_run_equals_uncached_run,
     test_cuda_fp32_cached_run_equals_uncached_run,
     test_llm_generate_with_and_without_the_prefix_cache,

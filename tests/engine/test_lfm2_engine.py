@@ -2,13 +2,13 @@
 state is one tensor, its conv's last inputs, which joins the slot like DeltaNet's and Mamba2's, so the pools, the
 checkpoints and the prefix cache need no change; cached and uncached runs compute the same thing, the cache hits at
 non-block-aligned steps; options that do not apply to it (MTP, FP8, images, TP) are clear errors
-(`mamba2_hybrid_engine_checks`, run here on LFM2 folders)."""
+(`hybrid_family_checks`, run here on LFM2 folders)."""
 
 from __future__ import annotations
 
 from tests.models.lfm2_helpers import lfm2_model
 
-from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
+from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
     test_cached_run_equals_uncached_run,
     test_cuda_fp32_cached_run_equals_uncached_run,
     test_llm_generate_with_and_without_the_prefix_cache,

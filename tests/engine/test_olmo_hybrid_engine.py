@@ -1,7 +1,7 @@
 """OLMo Hybrid (gated DeltaNet + post-norm attention) through the engine: its DeltaNet state is Qwen's (conv + ssm in
 the slot), so the pools, the checkpoints and the prefix cache need no change; cached and uncached runs compute the
 same thing, the cache hits at non-block-aligned steps; options that do not apply to it (MTP, FP8, images, TP) are
-clear errors (`mamba2_hybrid_engine_checks`, run here on OLMo folders)."""
+clear errors (`hybrid_family_checks`, run here on OLMo folders)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from tests.models.olmo_hybrid_helpers import olmo_model
 
-from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
+from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
     test_cached_run_equals_uncached_run,
     test_cuda_fp32_cached_run_equals_uncached_run,
     test_llm_generate_with_and_without_the_prefix_cache,

@@ -18,7 +18,7 @@ from hybridcache.models.config import LayerKind
 
 from .bamba_helpers import VARIANTS, bamba_config, bamba_model, make_bamba_pair
 from .helpers import TOLERANCE, PagedRunner, random_tokens, rel_err
-from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file's `pair`
+from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `pair`
     test_decode_after_prefill_matches_full_and_incremental_forward,
     test_mixed_batch_of_prefill_chunks_and_decodes,
     test_single_prefill_and_chunked_prefill,
@@ -92,7 +92,7 @@ def test_defaults_are_transformers_defaults():
     num_attention_heads, as transformers reads it."""
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS
+    from hybridcache.models.config.defaults import _DEFAULTS
 
     hf = transformers.BambaConfig()
     for key, value in _DEFAULTS["bamba"].items():

@@ -227,7 +227,7 @@ def test_a_string_quantization_config_is_a_value_error(tmp_path):
 def test_a_malformed_generation_config_is_a_warning_naming_the_file(tmp_path, generation, message, caplog):
     """As vLLM's try_get_generation_config (which falls back to the model config): the folder loads, stopping on
     config.json's EOS ids, and a warning names the file and the problem."""
-    with caplog.at_level("WARNING", logger="hybridcache.models.config"):
+    with caplog.at_level("WARNING", logger="hybridcache.models.config.model"):
         config = ModelConfig.from_model_dir(_write_folder(tmp_path, base_dict(), generation))
     assert config.eos_token_ids == (5, 6)
     assert re.search(message, caplog.text) and "config.json's EOS ids [5, 6]" in caplog.text

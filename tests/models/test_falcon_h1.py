@@ -18,7 +18,7 @@ from hybridcache.state_spec import AttentionSpec, RecurrentSpec
 
 from .falcon_h1_helpers import VARIANTS, falcon_config, falcon_model, make_falcon_pair
 from .helpers import TOLERANCE, PagedRunner, random_tokens, rel_err
-from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file's `pair`
+from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `pair`
     test_decode_after_prefill_matches_full_and_incremental_forward,
     test_mixed_batch_of_prefill_chunks_and_decodes,
     test_single_prefill_and_chunked_prefill,
@@ -141,7 +141,7 @@ def test_defaults_are_transformers_defaults():
     mamba_expand * hidden_size, num_key_value_heads written null num_attention_heads, as transformers reads them."""
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS
+    from hybridcache.models.config.defaults import _DEFAULTS
 
     hf = transformers.FalconH1Config()
     for key, value in _DEFAULTS["falcon_h1"].items():

@@ -33,7 +33,7 @@ from hybridcache.models.fp8_folders import INPUT_SCALE, write_fp8_folder
 
 from .granite_helpers import granite_model
 from .helpers import TOLERANCE, ModelPair, PagedRunner, random_tokens, rel_err
-from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file's `pair`
+from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `pair`
     test_decode_after_prefill_matches_full_and_incremental_forward,
     test_mixed_batch_of_prefill_chunks_and_decodes,
     test_single_prefill_and_chunked_prefill,

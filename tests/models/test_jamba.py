@@ -16,13 +16,13 @@ from hybridcache.models import ModelConfig, get_model_class, load_model
 from hybridcache.models.config import LayerKind
 
 from .helpers import TOLERANCE, PagedRunner, random_tokens, rel_err
-from .jamba_helpers import VARIANTS, jamba_config, jamba_model, make_jamba_pair
-from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file's `pair`
+from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `pair`
     test_decode_after_prefill_matches_full_and_incremental_forward,
     test_mixed_batch_of_prefill_chunks_and_decodes,
     test_single_prefill_and_chunked_prefill,
     test_the_comparison_notices_a_lost_recurrent_state,
 )
+from .jamba_helpers import VARIANTS, jamba_config, jamba_model, make_jamba_pair
 
 MAMBA, ATTENTION = LayerKind.MAMBA1, LayerKind.FULL_ATTENTION
 # ai21labs/Jamba-v0.1's config.json as published (AI21-Jamba-1.5-Mini's writes the same fields, with eos_token_id
@@ -102,7 +102,7 @@ def test_defaults_are_transformers_defaults():
     """The fields config.json may leave out take `JambaConfig`'s defaults."""
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS
+    from hybridcache.models.config.defaults import _DEFAULTS
 
     hf = transformers.JambaConfig()
     for key, value in _DEFAULTS["jamba"].items():
@@ -135,7 +135,7 @@ def test_config_refuses_what_it_cannot_run(field, value, message):
         ModelConfig.from_dict(raw)
 
 
-# the fields read for Jamba that JambaConfig requires a value of (`config._JAMBA_NOT_NULL`)
+# the fields read for Jamba that JambaConfig requires a value of (`config.jamba._JAMBA_NOT_NULL`)
 NOT_NULL = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
     "hidden_act", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "num_experts", "num_local_experts",
@@ -169,7 +169,8 @@ def test_every_default_jambaconfig_requires_is_refused_when_null():
 
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS, _JAMBA_NOT_NULL
+    from hybridcache.models.config.defaults import _DEFAULTS
+    from hybridcache.models.config.jamba import _JAMBA_NOT_NULL
 
     assert _JAMBA_NOT_NULL == NOT_NULL
     required = {f.name for f in dataclasses.fields(transformers.JambaConfig) if "None" not in str(f.type)}

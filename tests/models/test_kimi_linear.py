@@ -18,13 +18,13 @@ from hybridcache.models import ModelConfig, get_model_class, load_weights
 from hybridcache.models.config import LayerKind
 
 from .helpers import TOLERANCE, PagedRunner, random_tokens, rel_err
-from .kimi_helpers import TINY_KIMI, VARIANTS, checkpoint_state_dict, make_kimi_pair
-from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file's `pair`
+from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `pair`
     test_decode_after_prefill_matches_full_and_incremental_forward,
     test_mixed_batch_of_prefill_chunks_and_decodes,
     test_single_prefill_and_chunked_prefill,
     test_the_comparison_notices_a_lost_recurrent_state,
 )
+from .kimi_helpers import TINY_KIMI, VARIANTS, checkpoint_state_dict, make_kimi_pair
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))

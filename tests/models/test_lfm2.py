@@ -17,13 +17,13 @@ from hybridcache.models import ModelConfig, get_model_class, load_model
 from hybridcache.models.config import LayerKind
 
 from .helpers import TOLERANCE, PagedRunner, random_tokens, rel_err
-from .lfm2_helpers import MOE_VARIANTS, VARIANTS, lfm2_config, lfm2_model, make_lfm2_pair
-from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file's `pair`
+from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `pair`
     test_decode_after_prefill_matches_full_and_incremental_forward,
     test_mixed_batch_of_prefill_chunks_and_decodes,
     test_single_prefill_and_chunked_prefill,
     test_the_comparison_notices_a_lost_recurrent_state,
 )
+from .lfm2_helpers import MOE_VARIANTS, VARIANTS, lfm2_config, lfm2_model, make_lfm2_pair
 
 CONV, ATTENTION = LayerKind.SHORT_CONV, LayerKind.FULL_ATTENTION
 
@@ -104,7 +104,7 @@ def test_defaults_are_transformers_defaults():
     """The fields config.json may leave out take `Lfm2Config`'s defaults."""
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS
+    from hybridcache.models.config.defaults import _DEFAULTS
 
     hf = transformers.Lfm2Config()
     for key, value in _DEFAULTS["lfm2"].items():
@@ -153,7 +153,7 @@ def test_moe_defaults_are_transformers_defaults():
     block_ff_dim alias (Lfm2MoeMLP is intermediate_size wide)."""
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS
+    from hybridcache.models.config.defaults import _DEFAULTS
 
     hf = transformers.Lfm2MoeConfig()
     for key, value in _DEFAULTS["lfm2_moe"].items():

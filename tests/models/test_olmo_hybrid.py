@@ -18,7 +18,7 @@ from hybridcache.models import ModelConfig, get_model_class, load_model
 from hybridcache.models.config import LayerKind
 
 from .helpers import TOLERANCE, PagedRunner, random_tokens, rel_err
-from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file's `pair`
+from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `pair`
     test_decode_after_prefill_matches_full_and_incremental_forward,
     test_mixed_batch_of_prefill_chunks_and_decodes,
     test_single_prefill_and_chunked_prefill,
@@ -71,7 +71,7 @@ def test_defaults_are_transformers_defaults():
     """The fields config.json may leave out take `OlmoHybridConfig`'s defaults, the derived ones included."""
     import transformers
 
-    from hybridcache.models.config import _DEFAULTS
+    from hybridcache.models.config.defaults import _DEFAULTS
 
     hf = transformers.OlmoHybridConfig()
     for key, value in _DEFAULTS["olmo_hybrid"].items():

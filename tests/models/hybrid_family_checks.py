@@ -3,7 +3,7 @@ tests/models/helpers.py): single and chunked prefill, decode against the full an
 batch, and that the comparison notices a lost recurrent state (every state tensor of every recurrent layer zeroed).
 A test file imports them by name (pytest collects them there, with that file's `pair`): test_granite.py,
 test_nemotron_h.py, test_bamba.py, test_falcon_h1.py (Mamba2), test_jamba.py (Mamba1), test_olmo_hybrid.py (gated
-DeltaNet), test_lfm2.py (short convolution). (Written for the Mamba2 hybrids first, hence the file's name.)
+DeltaNet), test_lfm2.py (short convolution), test_kimi_linear.py (KDA), and test_fp8_mamba2_hybrids.py on FP8 folders.
 
 Every comparison: rel_err = max|ours - hf| / max|hf| <= 1e-4, with hf = transformers' full forward over the whole
 sequence (explicit position_ids), read at the positions our step computed.

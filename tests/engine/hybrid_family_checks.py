@@ -7,7 +7,8 @@ with that file's `model_dir`, made by `tiny_model_dir_fixture`, and its module-l
 test_granite_engine.py, test_nemotron_h_engine.py,
 test_bamba_engine.py, test_falcon_h1_engine.py (Mamba2), test_jamba_engine.py (Mamba1), test_olmo_hybrid_engine.py
 (gated DeltaNet), test_lfm2_engine.py (short convolution), test_kimi_linear_engine.py (KDA). A new recurrent family
-needs no change of the cache for them to pass. (Written for the Mamba2 hybrids first, hence the file's name.)"""
+needs no change of the cache for them to pass. (test_fp8_mamba2_hybrids_engine.py imports
+`test_cached_run_equals_uncached_run` and `write_tiny_folder` for its FP8 folders.)"""
 
 from __future__ import annotations
 
