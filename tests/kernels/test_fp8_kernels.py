@@ -86,7 +86,7 @@ def test_interpreted_quantize_groups_equals_the_reference(group):
     """One Triton launch against torch's `quantize_groups`: the same scales bit for bit and the same FP8 values,
     except where this interpreter's float32 -> e4m3 conversion is wrong: it loses the carry when rounding up
     reaches the next power of two (gives half of it) and flushes subnormals (|q| < 2^-6, at most 2^-9 off). The
-    GPU converts exactly (`benchmarks/fp8_gemm_bench.py --sweep` checks there, bit for bit)."""
+    GPU converts exactly (`benchmarks/fp8_sweep.py`'s `quant_check` checks there, bit for bit)."""
     from hybridcache.kernels.gemm import triton_quant
 
     generator = torch.Generator().manual_seed(group)
