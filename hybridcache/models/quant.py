@@ -14,7 +14,8 @@ Formats read from `config.json`'s `quantization_config` (`checkpoint_format`):
   weights (llm-compressor's attention / KV quantisation, `targets: ["Qwen3_5Attention"]`) is skipped with a
   warning, as vLLM does: FP8 KV comes from `--kv-cache-dtype fp8` and the `k_scale` / `v_scale` tensors.
 - `quant_method: "modelopt"` (NVIDIA ModelOpt; Nemotron-H / Nemotron 3 FP8), in config.json's flat spelling
-  (`quant_algo`, `kv_cache_scheme`, `ignore`, `config_groups`) or `hf_quant_config.json`'s nested one
+  (`quant_algo`, `kv_cache_scheme`, `ignore`, `config_groups`; ModelOpt 0.31-0.33 wrote it without quant_method,
+  marked by `quant_library: "modelopt"` or `producer.name` "modelopt") or `hf_quant_config.json`'s nested one
   (`{"producer", "quantization": {"quant_algo", "kv_cache_quant_algo", "exclude_modules"}}`, read when config.json
   has no quantization_config): `quant_algo` "FP8" (`X.weight` e4m3, `X.weight_scale` one number per tensor,
   `X.input_scale` one static activation scale) or "FP8_PER_CHANNEL_PER_TOKEN" (`X.weight_scale` [out]); any other
@@ -97,6 +98,8 @@ def checkpoint_format(quantization_config: Mapping[str, Any] | None) -> Fp8Forma
     if not quantization_config:
         return None
     method = quantization_config.get("quant_method")
+    if method is None and _written_by_modelopt(quantization_config):
+        method = "modelopt"
     if isinstance(method, str):  # vLLM's spellings: any case, compressed_tensors
         method = method.lower().replace("compressed_tensors", "compressed-tensors")
     if method == "fp8":
@@ -108,6 +111,14 @@ def checkpoint_format(quantization_config: Mapping[str, Any] | None) -> Fp8Forma
     raise ValueError(f"quantization_config.quant_method {method!r} is not supported; this engine loads 'fp8' "
                      "(Qwen's fine-grained FP8), 'compressed-tensors' (FP8, per-channel weights) and "
                      "'modelopt' (NVIDIA ModelOpt FP8)")
+
+
+def _written_by_modelopt(qc: Mapping[str, Any]) -> bool:
+    """A config.json `quantization_config` ModelOpt 0.31-0.33 wrote (flat, no quant_method): 0.33 marks it
+    `quant_library: "modelopt"`, 0.31 only by `producer.name` "modelopt" (0.35 on writes quant_method)."""
+    producer = qc.get("producer")
+    return qc.get("quant_library") == "modelopt" or (isinstance(producer, Mapping)
+                                                     and producer.get("name") == "modelopt")
 
 
 def _fine_grained(qc: Mapping[str, Any]) -> Fp8Format:
