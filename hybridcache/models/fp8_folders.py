@@ -16,8 +16,9 @@ written beside it, and `config.json` gets the matching `quantization_config` (wi
 recipe (`examples/quantization_w8a8_fp8/README_granite4.md`: experts quantised as 2-D linears, saved back in 3-D).
 "block" keeps them dense.
 
-"modelopt" follows NVIDIA's selective recipe of its Nemotron-H / Nemotron 3 FP8 checkpoints (ModelOpt
-`quant_algo: FP8`): each quantised linear `X` gets `X.weight` e4m3 with one scale for the whole tensor
+"modelopt" follows NVIDIA's selective recipe of its Nemotron 3 FP8 checkpoints (ModelOpt `quant_algo: FP8`;
+NVIDIA-Nemotron-Nano-9B-v2-FP8's model card names only the attention layers and conv1d as kept in BF16): each
+quantised linear `X` gets `X.weight` e4m3 with one scale for the whole tensor
 (`X.weight_scale`, shape [], amax / 448) and a static activation scale `X.input_scale` (shape [];
 `INPUT_SCALE`, not calibrated: the loader never reads it); kept dense besides the above are every attention layer
 (`q/k/v/o_proj`) and the Mamba2 layer just before each (its `in_proj`, `out_proj`), and the MoE latent projections
