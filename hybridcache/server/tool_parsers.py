@@ -52,6 +52,11 @@ calls (each an object with a string `name`) stays text, and so does an empty lis
 with this parser; a forced call (`tool_choice` "required" or named) is written as such a `<TOOLCALL>` list
 (`guided.GuidedSpec.tool_calls`, `tool_format` "nemotron").
 
+The other families' formats (Jamba's `<tool_calls>` list, Kimi's sections, LFM2's and OLMo 3's Python calls, a bare
+Python list) are read with their `--tool-call-parser` only, each without the Qwen blocks: `tool_formats` lists which
+parser reads which blocks, `call_formats` reads their bodies; the block rules below hold for them all. A `<tool_call>`
+whose body is a JSON list (Falcon-H1's template) is each item's call.
+
 `parse_tool_calls` reads a whole text; `ToolCallStream` feeds a streaming text, emitting content up to where a
 block may start and each call once its block is closed (a closing tag that does not make the block whole is
 decided by the next character that is not white space, or by the end of the text).
