@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.guided_llguidance import LLGuidanceCompiler, LLGuidanceGrammar, LLGuidanceMissing
+from hybridcache.guided_llguidance import LIST_TAGS, LLGuidanceCompiler, LLGuidanceGrammar, LLGuidanceMissing
 from hybridcache.schema_checks import unenforced_keyword
 
 
@@ -47,7 +47,9 @@ class GuidedKind(enum.Enum):
 #   "qwen"      Qwen3's blocks, a newline between two:  <tool_call>\n{call}\n</tool_call>
 #   "nemotron"  NVIDIA's one list (Nemotron-Nano-9B-v2, `--tool-call-parser nemotron_json`):
 #               <TOOLCALL>[{call}, {call}]</TOOLCALL>
-TOOL_FORMATS = ("qwen", "nemotron")
+#   "jamba"     AI21's one list (Jamba 1.5 to 1.7, `--tool-call-parser jamba`):
+#               <tool_calls>[{call}, {call}]</tool_calls>
+TOOL_FORMATS = ("qwen", *LIST_TAGS)
 
 
 @dataclass(frozen=True)
@@ -338,9 +340,10 @@ def _grammar(xgr: Any, spec: GuidedSpec) -> Any:
         return xgr.Grammar.union(*(_literal(xgr, choice) for choice in choices))
     calls = [_json_schema(xgr, _call_schema(tool)) for tool in json.loads(spec.spec)]
     call = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
-    if spec.tool_format == "nemotron":
+    if spec.tool_format in LIST_TAGS:
+        opening, closing = LIST_TAGS[spec.tool_format]
         listed = _one_or_more(xgr, call, ", ") if spec.parallel else call
-        return xgr.Grammar.concat(_literal(xgr, "<TOOLCALL>["), listed, _literal(xgr, "]</TOOLCALL>"))
+        return xgr.Grammar.concat(_literal(xgr, opening), listed, _literal(xgr, closing))
     block = xgr.Grammar.concat(_literal(xgr, "<tool_call>\n"), call, _literal(xgr, "\n</tool_call>"))
     return _one_or_more(xgr, block, "\n") if spec.parallel else block
 

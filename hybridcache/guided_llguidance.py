@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+# The tool-call formats that write their calls as one JSON list, and the text around the list (`guided.TOOL_FORMATS`)
+LIST_TAGS = {"nemotron": ("<TOOLCALL>[", "]</TOOLCALL>"), "jamba": ("<tool_calls>[", "]</tool_calls>")}
+
 # How the xgrammar grammars write JSON (`tojson`'s separators, no free whitespace); `lenient: False` overrides a
 # schema's own `x-guidance` that would have llguidance skip what it does not know (unenforced, silently).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False,
@@ -221,15 +224,17 @@ class LLGuidanceCompiler:
                    tool_format: str = "qwen") -> LLGuidanceGrammar:
         """Calls valid for one of `call_schemas` (`tool_call_schema`: name and arguments; read as `strict` says),
         written as `guided.TOOL_FORMATS` describes `tool_format`: Qwen3's `<tool_call>\\n<call>\\n</tool_call>`
-        blocks, a newline between two, or NVIDIA's `<TOOLCALL>[<call>, <call>]</TOOLCALL>`; `parallel`: one or
-        more calls."""
+        blocks, a newline between two, or one list in the tags `LIST_TAGS` gives the format (NVIDIA's
+        `<TOOLCALL>[<call>, <call>]</TOOLCALL>`, AI21's `<tool_calls>[...]</tool_calls>`); `parallel`: one or more
+        calls."""
         for schema in call_schemas:
             _refuse_negative_only_multiples(schema)
         bodies = [f"call{i}: %json {json.dumps({**strict(schema), 'x-guidance': _JSON_OPTIONS})}"
                   for i, schema in enumerate(call_schemas)]
-        if tool_format == "nemotron":
-            start = ['start: "<TOOLCALL>[" call (", " call)* "]</TOOLCALL>"' if parallel
-                     else 'start: "<TOOLCALL>[" call "]</TOOLCALL>"']
+        if tool_format in LIST_TAGS:
+            opening, closing = (json.dumps(tag) for tag in LIST_TAGS[tool_format])
+            start = [f'start: {opening} call (", " call)* {closing}' if parallel
+                     else f"start: {opening} call {closing}"]
         else:
             start = ['start: block ("\\n" block)*' if parallel else "start: block",
                      'block: "<tool_call>\\n" call "\\n</tool_call>"']

@@ -102,10 +102,11 @@ from hybridcache.server.responses import (
 )
 from hybridcache.server.responses_api import add_responses_routes
 from hybridcache.server.shutdown_guard import SHUTDOWN_MESSAGE, ShutdownGuard
+from hybridcache.server.special_tokens import special_token_texts, strippable
 from hybridcache.server.stream_events import UsageMode, stream_events
 from hybridcache.server.streaming import EventStreamResponse
 from hybridcache.server.tokenize_api import add_tokenize_routes
-from hybridcache.server.tool_parsers import NEMOTRON_PARSER
+from hybridcache.server.tool_formats import tool_format
 
 logger = logging.getLogger("hybridcache.server")
 T = TypeVar("T")
@@ -286,6 +287,8 @@ class _Routes:
         # the think tags' token ids, for the reasoning token count in `usage` (with a reasoning parser)
         self.think_markers = ThinkMarkers.of(model.tokenizer) \
             if config.reasoning_parser is not None and model.tokenizer is not None else None
+        # the texts of the tokenizer's special tokens, kept for a tool-call parser whose tags are among them
+        self.special_texts = special_token_texts(getattr(model.tokenizer, "hf", None))
         self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS,
                                                                     thread_name_prefix="hybridcache-tokenize")
         # images are fetched on the event loop (no thread waits on a slow server), then decoded here; grammars
@@ -401,23 +404,34 @@ class _Routes:
         split_reasoning = self.config.reasoning_parser is not None
         in_reasoning = chat_prompt.in_reasoning
         guided = body.guided()
-        nemotron_tools = self.config.tool_call_parser == NEMOTRON_PARSER
-        if guided is not None and guided.kind is GuidedKind.TOOL_CALLS and nemotron_tools:
-            guided = replace(guided, tool_format="nemotron")  # a forced call in the model's own format
+        tool_choice = body.effective_tool_choice()
+        parse_tools = bool(tools) and tool_choice != "none"
+        calls_format = tool_format(self.config.tool_call_parser)
+        if guided is not None and guided.kind is GuidedKind.TOOL_CALLS:  # a forced call, in the model's own format
+            if calls_format.forced is None:
+                raise APIError(400, f"tool_choice {json.dumps(tool_choice)} is not supported with --tool-call-parser "
+                               f"{self.config.tool_call_parser}: a forced call cannot be written in its format "
+                               "here; use tool_choice 'auto'", param="tool_choice")
+            guided = replace(guided, tool_format=calls_format.forced)
         if guided is not None and split_reasoning and in_reasoning:  # as vLLM: the answer is constrained, not the
             guided = replace(guided, starts_after=reasoning.THINK_END)  # reasoning before it
         params = body.sampling_params(max_tokens, guided, defaults)
+        # the parser's tags are special tokens: decoded, kept for it, and the other special tokens taken out
+        strip_tokens = strippable(self.special_texts, calls_format.tags) \
+            if parse_tools and params.skip_special_tokens else None
+        if strip_tokens is not None:
+            params = replace(params, skip_special_tokens=False)
         await self.compile_constraint(params, body)
-        tool_choice = body.effective_tool_choice()
         forced = "named" if isinstance(tool_choice, dict) else "required" if tool_choice == "required" else "auto"
         chat = ChatOutputOptions(
             split_reasoning=split_reasoning,
             in_reasoning=in_reasoning,
             include_reasoning=body.include_reasoning,
             think_markers=self.think_markers,
-            parse_tools=bool(tools) and tool_choice != "none",
+            parse_tools=parse_tools,
             tools=tools,
             tool_call_parser=self.config.tool_call_parser,
+            strip_tokens=strip_tokens or (),
             tool_choice=forced,
             parallel_tool_calls=body.parallel_tool_calls,
             echo=body.echo_text(),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hybridcache.server import reasoning
+from hybridcache.server.special_tokens import strip, stripper
 from hybridcache.server.text_stream import TextStream
 from hybridcache.server.tool_parsers import ToolCall, ToolCallStream
 
@@ -40,9 +41,10 @@ class ChatOutputOptions:
     include_reasoning: false drops the reasoning from the message, whole or streamed (vLLM's `include_reasoning`);
     think_markers: the tags' token ids, for `reasoning_tokens` (None: no count).
     parse_tools: the request has tools and tool_choice is not "none"; tools: their definitions.
-    tool_call_parser: the server's `--tool-call-parser` (ServerConfig's): nemotron_json reads NVIDIA's
-    `<TOOLCALL>[...]` lists besides the Qwen blocks (`tool_parsers.blocks_of`); any other name, or None, the Qwen
-    blocks only.
+    tool_call_parser: the server's `--tool-call-parser` (ServerConfig's): which format the calls are read in
+    (`tool_formats.tool_format`; None: the Qwen blocks).
+    strip_tokens: special-token texts taken out of the text before reasoning and calls are read: the text was
+    decoded with special tokens kept because the parser's tags are special (`special_tokens.strippable`).
     tool_choice: "required" or "named" (a function named) force a call: as vLLM, the content is then "" rather
     than null, and a named call finishes with the engine's reason ("stop"), not "tool_calls" (OpenAI's rule too).
     parallel_tool_calls: false keeps only the first call (index 0), whole or streamed, as vLLM's
@@ -56,6 +58,7 @@ class ChatOutputOptions:
     parse_tools: bool = False
     tools: list[dict] | None = None
     tool_call_parser: str | None = None
+    strip_tokens: tuple[str, ...] = ()
     tool_choice: Literal["auto", "required", "named"] = "auto"
     parallel_tool_calls: bool = True
     echo: str | None = None
@@ -90,6 +93,7 @@ class ChoiceStream:
         self._reasoning_sent = ""
         self._content_seen = ""
         self._tools = ToolCallStream(options.tools, options.tool_call_parser) if options.parse_tools else None
+        self._stripper = stripper(options.strip_tokens)
         self.has_reasoning = False  # the text has a think block (closed or not)
 
     @property
@@ -98,7 +102,7 @@ class ChoiceStream:
 
     def update(self, text: str, finished: bool) -> ChoiceDelta:
         self._text.update(text, finished)
-        stable = self._text.sent
+        stable = strip(self._text.sent, self._stripper)
         delta = ChoiceDelta()
         content = stable
         if self.options.split_reasoning:

@@ -7,6 +7,7 @@ from typing import Any
 
 from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, ServerLimits
 from hybridcache.server.reasoning import ReasoningParser
+from hybridcache.server.tool_formats import tool_format
 
 # logged at start-up by serve and the router when they listen beyond loopback with no API key (the host: %s)
 NO_KEY_WARNING = ("listening on %s with no API key: anyone who can reach this address can use the server (set an API "
@@ -38,8 +39,8 @@ class ServerConfig:
     allowed_origins: origins whose browser pages may call the API (CORS; empty: no CORS headers, so
     browsers keep other origins out); "*" allows every origin. reasoning_parser: split chat completions'
     `<think>...</think>` into `reasoning_content` (None: the text stays in `content`). tool_call_parser: serve's
-    `--tool-call-parser` (vLLM's name): "nemotron_json" reads NVIDIA's `<TOOLCALL>[...]` tool calls besides the Qwen
-    formats, which every name (and None) reads (`tool_parsers.blocks_of`).
+    `--tool-call-parser` (vLLM's name): the format tool calls are read in (`tool_formats.tool_format`; None: the
+    Qwen blocks); an unknown name is a ValueError listing the known ones.
     default_chat_template_kwargs: template variables every chat request gets (`enable_thinking`, ...); a
     request's own `chat_template_kwargs` override them. force_include_usage: every stream ends with a usage
     chunk, as if it had asked with `stream_options.include_usage` (vLLM's `--enable-force-include-usage`).
@@ -99,3 +100,4 @@ class ServerConfig:
         if isinstance(self.reasoning_parser, str):
             object.__setattr__(self, "reasoning_parser", ReasoningParser(self.reasoning_parser))
         object.__setattr__(self, "default_chat_template_kwargs", dict(self.default_chat_template_kwargs))
+        tool_format(self.tool_call_parser)  # (a ValueError naming the known parsers)

@@ -45,13 +45,17 @@ _MAYBE_CALL = re.compile(r"\s*(?:<(?:f(?:u(?:n(?:c(?:t(?:i(?:o(?:n)?)?)?)?)?)?)?
 
 class ReasoningParser(enum.Enum):
     """`--reasoning-parser`: how reasoning is marked, by vLLM's names. Every one is <think>...</think> with the rules
-    of this module: Qwen3 and Qwen3.5, DeepSeek-R1, and NVIDIA Nemotron 3 (`nemotron_v3`, vLLM's; `nano_v3`, the
-    name NVIDIA's recipes give their plugin), whose format is Qwen3's."""
+    of this module: Qwen3 and Qwen3.5, DeepSeek-R1 (AI21's Jamba Reasoning models use it too), NVIDIA Nemotron 3
+    (`nemotron_v3`, vLLM's; `nano_v3`, the name NVIDIA's recipes give their plugin), whose format is Qwen3's, Moonshot's
+    Kimi (`kimi_k2`) and AllenAI's OLMo 3 Think (`olmo3`). vLLM's kimi_k2 parser also ends the reasoning at a
+    `<|tool_calls_section_begin|>` written inside an unclosed think block; here only Qwen's `<tool_call>` does."""
 
     QWEN3 = "qwen3"
     DEEPSEEK_R1 = "deepseek_r1"
     NEMOTRON_V3 = "nemotron_v3"
     NANO_V3 = "nano_v3"
+    KIMI_K2 = "kimi_k2"
+    OLMO3 = "olmo3"
 
 
 def starts_in_reasoning(tail: str) -> bool:

@@ -52,6 +52,11 @@ calls (each an object with a string `name`) stays text, and so does an empty lis
 with this parser; a forced call (`tool_choice` "required" or named) is written as such a `<TOOLCALL>` list
 (`guided.GuidedSpec.tool_calls`, `tool_format` "nemotron").
 
+The other families' formats (Jamba's `<tool_calls>` list, Kimi's sections, LFM2's and OLMo 3's Python calls, a bare
+Python list) are read with their `--tool-call-parser` only, each without the Qwen blocks: `tool_formats` lists which
+parser reads which blocks, `call_formats` reads their bodies; the block rules below hold for them all. A `<tool_call>`
+whose body is a JSON list (Falcon-H1's template) is each item's call.
+
 `parse_tool_calls` reads a whole text; `ToolCallStream` feeds a streaming text, emitting content up to where a
 block may start and each call once its block is closed (a closing tag that does not make the block whole is
 decided by the next character that is not white space, or by the end of the text).
@@ -59,50 +64,31 @@ decided by the next character that is not white space, or by the end of the text
 
 from __future__ import annotations
 
-import json
-import math
 import re
-import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-CALL_START = "<tool_call>"
-CALL_END = "</tool_call>"
-FUNCTION_START = "<function="
-FUNCTION_END = "</function>"
+from hybridcache.server import call_formats
+from hybridcache.server.tool_call import ParsedText, ToolCall, call_of, dumps, new_id, strict_json
+from hybridcache.server.tool_formats import (
+    FUNCTION_END,
+    FUNCTION_START,
+    JAMBA_BLOCK,
+    KIMI_BLOCK,
+    KIMI_SINGULAR_BLOCK,
+    LFM2_BLOCK,
+    NEMOTRON_BLOCK,
+    OLMO3_BLOCK,
+    tool_format,
+)
+
+__all__ = ["ParsedText", "ToolCall", "ToolCallStream", "parse_tool_calls"]
+
 PARAMETER_START = "<parameter="
 PARAMETER_END = "</parameter>"
-TOOLCALL_START = "<TOOLCALL>"
-TOOLCALL_END = "</TOOLCALL>"
-NEMOTRON_PARSER = "nemotron_json"
-QWEN_BLOCKS = ((CALL_START, CALL_END), (FUNCTION_START, FUNCTION_END))  # a block's opening and closing tags
-NEMOTRON_BLOCKS = (*QWEN_BLOCKS, (TOOLCALL_START, TOOLCALL_END))
 _SPACE = re.compile(r"\s*")
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call: the function name and its arguments as JSON text (what OpenAI's `arguments` holds)."""
-
-    id: str
-    name: str
-    arguments: str
-
-    def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        return call if index is None else {"index": index, **call}
-
-
-@dataclass(frozen=True)
-class ParsedText:
-    content: str
-    tool_calls: tuple[ToolCall, ...]
-
-
-def _new_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _parameter_types(tools: list[dict] | None, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -118,37 +104,6 @@ def _parameter_types(tools: list[dict] | None, name: str) -> tuple[dict[str, Any
             defs = parameters.get("$defs") or parameters.get("definitions")
             return (properties if isinstance(properties, dict) else {}), (defs if isinstance(defs, dict) else {})
     return {}, {}
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(text: str) -> float:
-    number = float(text)
-    if not math.isfinite(number):
-        raise ValueError(f"{text} is too large for a float")
-    return number
-
-
-def _strict_json(text: str, **options: Any) -> Any:
-    """`json.loads` without NaN / Infinity, written or reached by a number too large for a float (`1e400`): Python's
-    json takes and writes them, no strict JSON parser does. Nesting too deep to parse is a ValueError too."""
-    try:
-        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite, **options)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-
-
-def _dumps(value: Any) -> str:
-    """`value` as JSON text: characters as they are, but escaped when the text holds a lone surrogate (JSON's
-    `"\\ud800"` parses to one), which UTF-8 cannot encode."""
-    text = json.dumps(value, ensure_ascii=False, allow_nan=False)
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return json.dumps(value, allow_nan=False)
-    return text
 
 
 _JSON_KINDS = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (type(None), "null"))
@@ -189,7 +144,7 @@ def _convert(value: str, schema: dict[str, Any], defs: dict[str, Any] | None = N
     if "string" in kinds:
         return value
     try:
-        parsed = _strict_json(value)
+        parsed = strict_json(value)
     except ValueError:  # (JSONDecodeError too; NaN, Infinity, 1e400: kept as text, as JSON has no such number)
         lowered = value.strip().lower()
         if "boolean" in kinds and lowered in ("true", "false"):
@@ -211,7 +166,7 @@ def _xml_call(name: str, values: list[tuple[str, str]], tools: list[dict] | None
     types, defs = _parameter_types(tools, name)
     arguments = {key: _convert(_xml_value(text), types[key], defs) if key in types else _xml_value(text)
                  for key, text in values}
-    return ToolCall(_new_id(), name, _dumps(arguments))
+    return ToolCall(new_id(), name, dumps(arguments))
 
 
 def _tag_name(text: str, at: int, prefix: str) -> tuple[str, int] | None:
@@ -275,55 +230,36 @@ def _whole_xml(text: str, tools: list[dict] | None) -> tuple[ToolCall, ...] | No
     return tuple(calls) or None
 
 
-def blocks_of(parser: str | None) -> tuple[tuple[str, str], ...]:
-    """The (opening, closing) tags of the blocks a `--tool-call-parser` reads: the Qwen formats, and with
-    nemotron_json NVIDIA's `<TOOLCALL>` list besides."""
-    return NEMOTRON_BLOCKS if parser == NEMOTRON_PARSER else QWEN_BLOCKS
-
-
 def _json_call(body: str) -> ToolCall | None:
     """A JSON body's call (`{"name": ..., "arguments": {...}}`), or None."""
     try:
-        data = _strict_json(body, strict=False)  # grammars may let control characters through unescaped
+        data = strict_json(body, strict=False)  # grammars may let control characters through unescaped
     except ValueError:
         return None
-    return _call_of(data)
+    return call_of(data)
 
 
-def _call_of(data: Any) -> ToolCall | None:
-    """A parsed JSON call (an object with a string `name`, its `arguments` or `parameters`) as a call, or None."""
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
-    arguments = data.get("arguments", data.get("parameters", {}))
-    text = arguments if isinstance(arguments, str) else _dumps(arguments)
-    try:
-        (data["name"] + text).encode()
-    except UnicodeEncodeError:  # a lone surrogate in a name or in arguments sent as text: not a call
-        return None
-    return ToolCall(_new_id(), data["name"], text)
-
-
-def _call_list(body: str) -> tuple[ToolCall, ...] | None:
-    """A `<TOOLCALL>` body's calls: a JSON list of calls, read with a missing `[` or `]` added (NVIDIA's parser adds
-    them); None unless it parses to a list of at least one item and every item is a call (`_call_of`)."""
-    text = body.strip()
-    text = ("" if text.startswith("[") else "[") + text + ("" if text.endswith("]") else "]")
-    try:
-        items = _strict_json(text, strict=False)
-    except ValueError:
-        return None
-    calls = tuple(_call_of(item) for item in items) if isinstance(items, list) else ()
-    return calls if calls and None not in calls else None
+# the reader of each block that is not Qwen's (`call_formats`): its body's calls when whole, else None
+_BODY_READERS: dict[str, Callable[[str], tuple[ToolCall, ...] | None]] = {
+    NEMOTRON_BLOCK[0]: call_formats.json_call_list,
+    JAMBA_BLOCK[0]: call_formats.json_call_list,
+    LFM2_BLOCK[0]: call_formats.python_call_list,
+    OLMO3_BLOCK[0]: call_formats.python_call_lines,
+    KIMI_BLOCK[0]: call_formats.kimi_section,
+    KIMI_SINGULAR_BLOCK[0]: call_formats.kimi_section,
+}
 
 
 def _whole(opening: str, body: str, tools: list[dict] | None) -> tuple[ToolCall, ...] | None:
-    """`whole_block` for a block that opens with `opening` (a `<TOOLCALL>` body is a list: `_call_list`)."""
-    return _call_list(body) if opening == TOOLCALL_START else whole_block(body, tools)
+    """`whole_block` for a block that opens with `opening` (other formats' bodies: `_BODY_READERS`)."""
+    reader = _BODY_READERS.get(opening)
+    return whole_block(body, tools) if reader is None else reader(body)
 
 
 def _parse(opening: str, body: str, tools: list[dict] | None) -> tuple[ToolCall, ...]:
-    """`parse_block` for a block that opens with `opening` (a `<TOOLCALL>` body is whole or text)."""
-    return (_call_list(body) or ()) if opening == TOOLCALL_START else parse_block(body, tools)
+    """`parse_block` for a block that opens with `opening` (other formats' bodies are whole or text)."""
+    reader = _BODY_READERS.get(opening)
+    return parse_block(body, tools) if reader is None else reader(body) or ()
 
 
 def whole_block(body: str, tools: list[dict] | None = None) -> tuple[ToolCall, ...] | None:
@@ -331,6 +267,8 @@ def whole_block(body: str, tools: list[dict] | None = None) -> tuple[ToolCall, .
     (`_whole_xml`), or one JSON call; None otherwise."""
     if body.lstrip().startswith(FUNCTION_START):
         return _whole_xml(body, tools)
+    if body.lstrip().startswith("["):  # Falcon-H1's template: a JSON list of calls in one block
+        return call_formats.json_call_list(body)
     call = _json_call(body)
     return None if call is None else (call,)
 
@@ -354,7 +292,7 @@ def parse_block(body: str, tools: list[dict] | None = None) -> tuple[ToolCall, .
 def parse_tool_calls(text: str, tools: list[dict] | None = None, parser: str | None = None) -> ParsedText:
     """Every well-formed block of `text` as a call; the text before the first one (whitespace-trimmed; all of it
     when there is none) as content. An unclosed block at the end is parsed as if closed (a completion cut by its
-    stop token). `parser`: the server's `--tool-call-parser` (`blocks_of`)."""
+    stop token). `parser`: the server's `--tool-call-parser` (`tool_formats.tool_format`)."""
     stream = ToolCallStream(tools, parser)
     content = stream.feed(text, finished=True)
     return ParsedText(content.strip() if stream.calls else content, tuple(stream.calls))
@@ -363,12 +301,15 @@ def parse_tool_calls(text: str, tools: list[dict] | None = None, parser: str | N
 class ToolCallStream:
     """Incremental parsing of a growing text: `feed(text_so_far, finished)` returns the content to send now;
     new calls appear in `calls` (`new_calls()` returns those not yet taken). Content is held back from the
-    first character that may start a block (a partial `<tool_call>` or `<function=` at the end, or `<TOOLCALL>`
-    with the nemotron_json `parser`: `blocks_of`) until the block closes."""
+    first character that may start a block (a partial `<tool_call>` or `<function=` at the end, or the openings of
+    the `parser`'s format: `tool_formats.tool_format`) until the block closes. With `pythonic` (no tags: the whole
+    reply is one Python list of calls) a reply that starts, past white space, with `[` is held back to its end."""
 
     def __init__(self, tools: list[dict] | None = None, parser: str | None = None) -> None:
         self.tools = tools
-        self._blocks = blocks_of(parser)
+        found = tool_format(parser)
+        self._blocks = found.blocks
+        self._bare_list = found.bare_list
         self.calls: list[ToolCall] = []
         self._taken = 0
         self._scanned = 0  # text[:_scanned] is decided (content sent or blocks parsed)
@@ -390,8 +331,24 @@ class ToolCallStream:
         self._held_space = content[len(kept):]
         return kept
 
+    def _scan_bare_list(self, text: str, finished: bool) -> str:
+        """`_scan` for `pythonic`: the reply's calls when, finished, it is one Python list of calls; else its text
+        (held back while it may still become one: empty, or starting with `[`, and unfinished)."""
+        if self._scanned == 0 and text.lstrip()[:1] in ("", "["):
+            if not finished:
+                return ""
+            calls = call_formats.python_call_list(text) if text.strip().startswith("[") else None
+            if calls:
+                self.calls.extend(calls)
+                self._scanned = len(text)
+                return ""
+        rest, self._scanned = text[self._scanned:], len(text)
+        return rest
+
     def _scan(self, text: str, finished: bool) -> str:
         """The content in `text` from `_scanned` on (none after the first call), parsing the blocks there."""
+        if self._bare_list:
+            return self._scan_bare_list(text, finished)
         content = []
 
         def add(piece: str) -> None:
@@ -425,7 +382,7 @@ def _read_block(rest: str, start: int, tags: tuple[str, str], blocks: tuple[tupl
     far cannot tell. It ends at the first closing tag that makes it a whole call (`whole_block`), else at the first
     one followed, past white space, by another block or by the end of the text, else (finished) the whole rest if
     that is a whole call, else its first closing tag; one never closed is read to the end of the text. `tags`: its
-    opening and closing tags; `blocks`: every block the parser reads (`blocks_of`)."""
+    opening and closing tags; `blocks`: every block the parser reads (`tool_formats.ToolFormat.blocks`)."""
     opening, closing = tags
     openings = tuple(tag for tag, _ in blocks)
 

@@ -1,11 +1,10 @@
 """The `vllm serve` flags that `hybridcache serve` takes as well, so that a vLLM command line starts it.
 
     --enable-auto-tool-choice      accepted: with tools, tool calls are always parsed ("auto" is the default)
-    --tool-call-parser NAME        hermes, qwen3_coder, qwen3_xml (or qwen25): the Qwen `<tool_call>` formats,
-                                   which are all recognised in any output (tool_parsers.py), so these names only
-                                   check the flag; nemotron_json (NVIDIA's Nemotron-Nano-9B-v2 recipe) reads
-                                   `<TOOLCALL>[{"name": ..., "arguments": ...}, ...]</TOOLCALL>` too, which is
-                                   text without it (a forced call is still written as a Qwen block)
+    --tool-call-parser NAME        vLLM's name of the model's tool-call format (`tool_formats.TOOL_CALL_PARSERS`):
+                                   hermes, granite4, qwen25, qwen3_coder, qwen3_xml read the Qwen `<tool_call>`
+                                   blocks (as does no flag); nemotron_json NVIDIA's `<TOOLCALL>[...]` too; jamba,
+                                   kimi_k2, lfm2, olmo3 and pythonic their families' formats (tool_formats.py)
     --chat-template PATH           a Jinja template file (or the template text itself, as vLLM takes it) that
                                    replaces the model folder's chat template
     --root-path PATH               the path prefix a reverse proxy serves the API under (uvicorn's root_path)
@@ -39,7 +38,8 @@ import ssl
 from pathlib import Path
 from typing import Any
 
-TOOL_CALL_PARSERS = ("hermes", "nemotron_json", "qwen25", "qwen3_coder", "qwen3_xml")
+from hybridcache.server.tool_formats import TOOL_CALL_PARSERS
+
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 logger = logging.getLogger("hybridcache.server")
@@ -51,8 +51,9 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM command lines: tool calls are always parsed when a request has tools")
     group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                       help="every Qwen <tool_call> format (JSON or XML function blocks) is recognised whichever "
-                            "is named; nemotron_json reads NVIDIA's <TOOLCALL>[...] lists (Nemotron-Nano-9B-v2) too")
+                       help="vLLM's name of the model's tool-call format: hermes, granite4, qwen25, qwen3_coder "
+                            "and qwen3_xml read the Qwen <tool_call> blocks (as does no flag), nemotron_json "
+                            "NVIDIA's <TOOLCALL>[...] too; jamba, kimi_k2, lfm2, olmo3, pythonic their own")
     group.add_argument("--chat-template", default=None, metavar="PATH",
                        help="a Jinja chat template file (or the template text) that replaces the model folder's")
     group.add_argument("--root-path", default="", metavar="PATH",

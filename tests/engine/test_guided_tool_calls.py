@@ -89,10 +89,14 @@ def test_a_chat_request_passes_parallel_tool_calls_to_required(parallel):
     assert parse_request(ChatCompletionRequest, {**body, "tool_choice": named}).guided().parallel is False
 
 
-def _nemotron(*calls: tuple[str, dict]) -> str:
-    """NVIDIA's format: one `<TOOLCALL>` list, `json.dumps`'s ", " between two calls."""
-    return "<TOOLCALL>" + json.dumps([{"name": name, "arguments": arguments} for name, arguments in calls]) + \
-        "</TOOLCALL>"
+LIST_FORMATS = {"nemotron": ("<TOOLCALL>", "</TOOLCALL>"), "jamba": ("<tool_calls>", "</tool_calls>")}
+
+
+def _listed(tool_format: str, *calls: tuple[str, dict]) -> str:
+    """NVIDIA's format (one `<TOOLCALL>` list) or AI21's (one `<tool_calls>` list), `json.dumps`'s ", " between two
+    calls."""
+    opening, closing = LIST_FORMATS[tool_format]
+    return opening + json.dumps([{"name": name, "arguments": arguments} for name, arguments in calls]) + closing
 
 
 # `multipleOf` is compiled by the llguidance fallback, the other tools by xgrammar: both write the same formats
@@ -105,25 +109,29 @@ BACKENDS = {"xgrammar": ([WEATHER, TIME], ("get_weather", {"city": "Paris"}), ("
 @needs_xgrammar
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("parallel", [True, False])
-def test_the_nemotron_format_forces_one_toolcall_list(cache_and_tokenizer, backend, parallel):
-    """With `--tool-call-parser nemotron_json` a forced call is written as Nemotron-Nano-9B-v2 writes calls (one
-    `<TOOLCALL>` list, ", " between two calls), not in Qwen3's blocks; "required" with parallel calls lets the
-    list hold several, otherwise one. Through xgrammar and through the llguidance fallback alike."""
+@pytest.mark.parametrize("tool_format", list(LIST_FORMATS))
+def test_the_list_formats_force_one_list_of_calls(cache_and_tokenizer, backend, parallel, tool_format):
+    """With `--tool-call-parser nemotron_json` (or jamba) a forced call is written as Nemotron-Nano-9B-v2 (or AI21's
+    Jamba) writes calls (one `<TOOLCALL>` (`<tool_calls>`) list, ", " between two calls), not in Qwen3's blocks;
+    "required" with parallel calls lets the list hold several, otherwise one. Through xgrammar and through the
+    llguidance fallback alike."""
     if backend == "llguidance":
         pytest.importorskip("llguidance")
     tools, first, second = BACKENDS[backend]
-    spec = GuidedSpec.tool_calls(tools, parallel=parallel, tool_format="nemotron")
+    spec = GuidedSpec.tool_calls(tools, parallel=parallel, tool_format=tool_format)
     assert spec != GuidedSpec.tool_calls(tools, parallel=parallel)  # (cached apart from the Qwen grammar)
-    assert _accepts(cache_and_tokenizer, spec, _nemotron(first))
-    assert _accepts(cache_and_tokenizer, spec, _nemotron(first, second)) is parallel
+    assert _accepts(cache_and_tokenizer, spec, _listed(tool_format, first))
+    assert _accepts(cache_and_tokenizer, spec, _listed(tool_format, first, second)) is parallel
     qwen = "<tool_call>\n" + json.dumps({"name": first[0], "arguments": first[1]}) + "\n</tool_call>"
     assert not _accepts(cache_and_tokenizer, spec, qwen)
-    assert not _accepts(cache_and_tokenizer, spec, "<TOOLCALL>[]</TOOLCALL>")
-    assert not _accepts(cache_and_tokenizer, spec, _nemotron(first) + "\n")
+    other = next(name for name in LIST_FORMATS if name != tool_format)
+    assert not _accepts(cache_and_tokenizer, spec, _listed(other, first))
+    assert not _accepts(cache_and_tokenizer, spec, "".join(LIST_FORMATS[tool_format]).replace("><", ">[]<"))
+    assert not _accepts(cache_and_tokenizer, spec, _listed(tool_format, first) + "\n")
     if backend == "llguidance":  # (the schema is enforced inside the list too)
-        assert not _accepts(cache_and_tokenizer, spec, _nemotron(("step", {"n": 7})))
+        assert not _accepts(cache_and_tokenizer, spec, _listed(tool_format, ("step", {"n": 7})))
 
 
 def test_an_unknown_tool_format_is_refused():
-    with pytest.raises(ValueError, match="unknown tool-call format 'hermes'; known: qwen, nemotron"):
+    with pytest.raises(ValueError, match="unknown tool-call format 'hermes'; known: qwen, nemotron, jamba"):
         GuidedSpec.tool_calls([WEATHER], tool_format="hermes")

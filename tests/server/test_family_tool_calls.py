@@ -1,0 +1,126 @@
+"""The served families' tool-call parsers through a real server on the built-in model (its text forced with guided
+regexes, as the nemotron_json tests do): `tool_calls` whole and streamed for each of kimi_k2, jamba, lfm2, olmo3,
+pythonic and granite4; a forced call (tool_choice "required" or named) in Jamba's own format, and refused with a 400
+naming the parser where it cannot be written in the parser's format. And the special-token path: a tokenizer
+whose tool-call tags are special tokens keeps them for the parser and drops the other special tokens."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+from hybridcache.models.builtin import BUILTIN_NAME, ensure_builtin_model
+from hybridcache.server.chat_output import ChatOutputOptions, final_message
+from hybridcache.server.special_tokens import special_token_texts, strippable
+from hybridcache.server.tool_formats import tool_format
+from hybridcache.tokenizer import Tokenizer
+
+from .inprocess_server import serving
+from .test_tool_formats import CALLS, SAMPLES, TOOLS
+
+MODEL = BUILTIN_NAME
+REPLIES = {**SAMPLES, "pythonic": "[get_weather(city='Paris', days=2), get_time(zone='utc')]"}
+CONTENT = {parser: "" if parser == "pythonic" else "Let me check." for parser in REPLIES}
+MESSAGES = [{"role": "user", "content": "weather and time?"}]
+
+
+def _stream_message(stream) -> tuple[str, list[tuple[str, dict]], str | None]:
+    content, calls, finish = "", {}, None
+    for event in stream:
+        if not event.choices:
+            continue
+        delta = event.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+            entry["name"] += call.function.name or ""
+            entry["arguments"] += call.function.arguments or ""
+        finish = event.choices[0].finish_reason or finish
+    return content, [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("parser", list(REPLIES))
+def test_each_parser_gives_tool_calls_whole_and_streamed(parser):
+    forced = {"guided_regex": re.escape(REPLIES[parser])}
+    with serving(tool_call_parser=parser) as base_url:
+        client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        response = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=300,
+                                                  temperature=0, extra_body=forced)
+        choice = response.choices[0]
+        assert (choice.message.content or "") == CONTENT[parser] and choice.finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == CALLS
+        stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=300,
+                                                temperature=0, stream=True, extra_body=forced)
+        assert _stream_message(stream) == (CONTENT[parser], CALLS, "tool_calls")
+        if parser == "kimi_k2":
+            assert [c.id for c in choice.message.tool_calls] == ["functions.get_weather:0", "functions.get_time:1"]
+
+
+# a tool whose arguments end quickly (a random model's free strings may run past max_tokens)
+CLOSED = [{"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+    "additionalProperties": False}}}]
+
+
+def test_a_forced_call_with_jamba_is_written_in_jambas_format():
+    with serving(tool_call_parser="jamba") as base_url:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "time?"}], "tools": CLOSED,
+                "max_tokens": 200, "temperature": 0, "tool_choice": "required", "return_token_ids": True}
+        choice = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120).raise_for_status().json()[
+            "choices"][0]
+    text = Tokenizer(ensure_builtin_model()).decode(choice["token_ids"])
+    assert text.startswith("<tool_calls>[{") and text.endswith("}]</tool_calls>"), text
+    assert [call["function"]["name"] for call in choice["message"]["tool_calls"]] == ["get_time"]
+    assert choice["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("parser", ["kimi_k2", "lfm2", "olmo3", "pythonic"])
+def test_a_forced_call_is_refused_where_the_parser_could_not_read_it(parser):
+    with serving(tool_call_parser=parser) as base_url:
+        for tool_choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+            body = {"model": MODEL, "messages": MESSAGES, "tools": CLOSED, "max_tokens": 20, "tool_choice": tool_choice}
+            response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "tool_choice" and f"--tool-call-parser {parser}" in error["message"]
+        auto = {"model": MODEL, "messages": MESSAGES, "tools": CLOSED, "max_tokens": 5, "tool_choice": "auto"}
+        assert httpx.post(f"{base_url}/v1/chat/completions", json=auto, timeout=120).status_code == 200
+
+
+# --- the tags as special tokens ------------------------------------------------------------------------------------
+
+KIMI_TAGS = list(tool_format("kimi_k2").tags)
+
+
+@pytest.fixture(scope="module")
+def special_tokenizer(tmp_path_factory):
+    """The built-in model's tokenizer with Kimi's tags and an end-of-turn token added as special tokens."""
+    hf = AutoTokenizer.from_pretrained(ensure_builtin_model())
+    hf.add_special_tokens({"additional_special_tokens": [*KIMI_TAGS, "<|im_end|>"]})
+    folder = tmp_path_factory.mktemp("special_tokenizer")
+    hf.save_pretrained(folder)
+    return Tokenizer(folder)
+
+
+def test_tags_that_are_special_tokens_are_kept_for_the_parser_and_other_special_tokens_dropped(special_tokenizer):
+    specials = special_token_texts(special_tokenizer.hf)
+    assert set(KIMI_TAGS) | {"<|im_end|>"} <= specials
+    ids = special_tokenizer.encode(SAMPLES["kimi_k2"] + "<|im_end|>")
+    assert special_tokenizer.decode(ids) == "Let me check." + 'functions.get_weather:0{"city": "Paris", "days": 2}' \
+        'functions.get_time:1{"zone": "utc"}'  # (the default decode loses the tags: no call could be read)
+    strip = strippable(specials, tool_format("kimi_k2").tags)
+    assert strip is not None and "<|im_end|>" in strip and not set(KIMI_TAGS) & set(strip)
+    options = ChatOutputOptions(parse_tools=True, tools=TOOLS, tool_call_parser="kimi_k2", strip_tokens=strip)
+    message = final_message(special_tokenizer.decode(ids, skip_special_tokens=False), options)
+    assert message["content"] == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == CALLS
+    plain = "Hi<|im_end|> there<|im_end|>"
+    assert final_message(plain, options)["content"] == "Hi there"
+    # the Qwen parsers' tags are not special here: the request is decoded as it asks
+    assert strippable(specials, tool_format("hermes").tags) is None
+    assert strippable(specials, ()) is None
