@@ -55,9 +55,10 @@ workloads sample only the first 259 ids. Only Qwen3-Next and Qwen3.5 folders get
 |                          |                            |        |      | experts of 1792 top-4; vocab 65,536, tied   |
 | `kimi-linear-scaled-14b` | Kimi-Linear-48B-A3B scaled | 13.78B | 25.7 | its layout (hidden 2304, 27 layers: 20 KDA  |
 |                          | down: 64 of its 256        |        |      | 32 x 128, 7 MLA, layer 0 dense) with 64     |
-|                          | experts                    |        |      | experts of 1024, top-8 + 1 shared: ~3B      |
+|                          | experts                    |        |      | experts of 1024, top-8 + 1 shared: ~3.5B    |
 |                          |                            |        |      | active; vocab 163,840                       |
 
+Shapes not in this repository's tests or transformers' defaults are as recalled from the releases (docs/bench.md).
 `jamba-3b-scaled`: Jamba Reasoning 3B's config is not in this repository; Jamba-v0.1's layer layout at ~3B, dense.
 `falcon-h1-1.5b-deep`: depth, width, heads and head dims as transformers' Falcon-H1 table; the MLP width and vocab as
 recalled from the release (1.55B published). `lfm2-*`: the attention layers' positions are spread evenly (the counts
