@@ -16,6 +16,55 @@ one; bf16; byte tokenizer):
 | `next-16b` | Qwen3-Next, hidden 4096, 32 layers 3:1, 32 experts top-8, expert width 1024, vocab 151,936: 16.6B  |
 | `dense-9b` | transformers' default `Qwen3_5TextConfig` (hidden 4096, 32 layers 3:1, vocab 248,320): 9.0B        |
 
+One preset per other family hybridcache serves, at the shape of a released model (`PRESETS`: the model and the
+parameter count, counted on the meta device; GiB: the bf16 weights). Vocabularies are the released ones: the byte
+workloads sample only the first 259 ids. Only Qwen3-Next and Qwen3.5 folders get a random MTP head.
+
+| name                     | mirrors                    | params | GiB  | shape                                       |
+| ------------------------ | -------------------------- | ------ | ---- | ------------------------------------------- |
+| `granite-4h-tiny`        | Granite-4.0-H-Tiny         | 6.94B  | 12.9 | hidden 1536, 40 layers: attention (NoPE) at |
+|                          | (7B-A1B)                   |        |      | 5, 15, 25, 35, the rest Mamba2 48 x 64      |
+|                          |                            |        |      | state 128; 64 experts of 512 top-6 + shared |
+|                          |                            |        |      | 1024; vocab 100,352, tied                   |
+| `nemotron-h-9b`          | NVIDIA-Nemotron-Nano-9B-v2 | 8.89B  | 16.6 | hidden 4480, 56 layers "M-M-M-MM-...": 27   |
+|                          |                            |        |      | Mamba2 128 x 80 (8 groups), 4 attention 40  |
+|                          |                            |        |      | / 8 heads of 128, 25 relu^2 MLPs of 15,680; |
+|                          |                            |        |      | vocab 131,072                               |
+| `nemotron3-nano`         | Nemotron 3 Nano 30B-A3B    | 31.58B | 58.8 | hidden 2688, 52 layers "MEMEM*E...": 23     |
+|                          |                            |        |      | Mamba2 64 x 64, 6 attention 32 / 2 heads of |
+|                          |                            |        |      | 128, 23 MoE of 128 relu^2 experts of 1856   |
+|                          |                            |        |      | top-6 + shared 3712; vocab 131,072          |
+| `bamba-9b`               | Bamba-9B (v1, v2)          | 9.78B  | 18.2 | hidden 4096, 32 layers: attention at 9, 18, |
+|                          |                            |        |      | 27, Mamba2 128 x 64 state 128; MLP 14,336;  |
+|                          |                            |        |      | vocab 128,256                               |
+| `falcon-h1-1.5b-deep`    | Falcon-H1-1.5B-Deep        | 1.56B  | 2.9  | hidden 1280, 66 layers of attention (6 / 2  |
+|                          |                            |        |      | heads of 128) beside Mamba2 (24 x 64, state |
+|                          |                            |        |      | 256); MLP 3072; vocab 65,537                |
+| `jamba-3b-scaled`        | Jamba's layout at ~3B      | 3.18B  | 5.9  | hidden 2560, 28 layers: attention 1 in 8    |
+|                          |                            |        |      | from layer 4 (20 / 4 heads), Mamba1 expand  |
+|                          |                            |        |      | 2 state 16; dense MLPs of 8192; vocab       |
+|                          |                            |        |      | 65,536                                      |
+| `olmo-hybrid-7b`         | Olmo-Hybrid-7B             | 7.43B  | 13.8 | hidden 3840, 32 layers 3:1: DeltaNet 30     |
+|                          |                            |        |      | heads Dk 96 / Dv 192, attention 30 heads    |
+|                          |                            |        |      | without RoPE; MLP 11,008; vocab 100,352     |
+| `lfm2-2.6b`              | LFM2-2.6B                  | 2.57B  | 4.8  | hidden 2048, 30 layers: 22 short conv, 8    |
+|                          |                            |        |      | attention 32 / 8 heads; MLP 10,752; vocab   |
+|                          |                            |        |      | 65,536, tied                                |
+| `lfm2-8b-a1b`            | LFM2-8B-A1B                | 8.34B  | 15.5 | hidden 2048, 24 layers: 18 short conv, 6    |
+|                          |                            |        |      | attention; 2 dense MLPs of 7168, then 32    |
+|                          |                            |        |      | experts of 1792 top-4; vocab 65,536, tied   |
+| `kimi-linear-scaled-14b` | Kimi-Linear-48B-A3B scaled | 13.78B | 25.7 | its layout (hidden 2304, 27 layers: 20 KDA  |
+|                          | down: 64 of its 256        |        |      | 32 x 128, 7 MLA, layer 0 dense) with 64     |
+|                          | experts                    |        |      | experts of 1024, top-8 + 1 shared: ~3.5B    |
+|                          |                            |        |      | active; vocab 163,840                       |
+
+Shapes not in this repository's tests or transformers' defaults are as recalled from the releases (docs/bench.md).
+`jamba-3b-scaled`: Jamba Reasoning 3B's config is not in this repository; Jamba-v0.1's layer layout at ~3B, dense.
+`falcon-h1-1.5b-deep`: depth, width, heads and head dims as transformers' Falcon-H1 table; the MLP width and vocab as
+recalled from the release (1.55B published). `lfm2-*`: the attention layers' positions are spread evenly (the counts
+are the release's; LFM2-2.6B's 2,569,272,320 parameters match exactly). `nemotron3-nano` needs most of an 80 GB H100
+(58.8 GiB of weights): run it with `--gpu-memory-utilization 0.95`, or on the H200.
+
 Workload (prompts are random lowercase letters under the byte tokenizer: one token per character; greedy,
 `ignore_eos`; one engine per process, after a warm-up that is then cleared from the cache):
 
@@ -71,7 +120,7 @@ import torch
 from hybridcache import LLM
 from hybridcache.config import DTYPES
 from hybridcache.models.builtin import build_byte_tokenizer
-from hybridcache.models.mtp import write_random_mtp
+from hybridcache.models.mtp import MTP_MODEL_TYPES, write_random_mtp
 from hybridcache.models.random_weights import randomize_
 from hybridcache.sampling import SamplingParams
 
@@ -82,11 +131,83 @@ MODELS = {
         vocab_size=151936, hidden_size=4096, num_hidden_layers=32, num_experts=32, num_experts_per_tok=8,
         moe_intermediate_size=1024, shared_expert_intermediate_size=1024)),
     "dense-9b": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    # one preset per other served family, at a released model's shape (`PRESETS` below: which, and its size)
+    "granite-4h-tiny": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        vocab_size=100352, hidden_size=1536, num_hidden_layers=40, num_attention_heads=12, num_key_value_heads=4,
+        layer_types=["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
+        position_embedding_type="nope", num_local_experts=64, num_experts_per_tok=6, intermediate_size=512,
+        shared_intermediate_size=1024, mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128,
+        mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=True)),
+    "nemotron-h-9b": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        vocab_size=131072, hidden_size=4480, num_hidden_layers=56,
+        hybrid_override_pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
+        num_attention_heads=40, num_key_value_heads=8, head_dim=128, intermediate_size=15680, mamba_num_heads=128,
+        mamba_head_dim=80, n_groups=8, ssm_state_size=128, conv_kernel=4, tie_word_embeddings=False)),
+    "nemotron3-nano": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        vocab_size=131072, hidden_size=2688, num_hidden_layers=52,
+        hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        num_attention_heads=32, num_key_value_heads=2, head_dim=128, mamba_num_heads=64, mamba_head_dim=64,
+        n_groups=8, ssm_state_size=128, conv_kernel=4, n_routed_experts=128, num_experts_per_tok=6,
+        moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712, n_group=1, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False)),
+    "bamba-9b": ("BambaConfig", "BambaForCausalLM", dict(
+        vocab_size=128256, hidden_size=4096, num_hidden_layers=32, attn_layer_indices=[9, 18, 27],
+        num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, mamba_n_heads=128, mamba_d_head=64,
+        mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=False)),
+    "falcon-h1-1.5b-deep": ("FalconH1Config", "FalconH1ForCausalLM", dict(
+        vocab_size=65537, hidden_size=1280, num_hidden_layers=66, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=128, intermediate_size=3072, mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64, mamba_n_groups=1,
+        mamba_d_state=256, mamba_d_conv=4, tie_word_embeddings=False)),
+    "jamba-3b-scaled": ("JambaConfig", "JambaForCausalLM", dict(
+        vocab_size=65536, hidden_size=2560, num_hidden_layers=28, num_attention_heads=20, num_key_value_heads=4,
+        intermediate_size=8192, num_experts=1, attn_layer_period=8, attn_layer_offset=4, mamba_d_state=16,
+        mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=160, tie_word_embeddings=False)),
+    "olmo-hybrid-7b": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
+        vocab_size=100352, hidden_size=3840, num_hidden_layers=32, num_attention_heads=30, num_key_value_heads=30,
+        intermediate_size=11008,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(32)],
+        linear_num_key_heads=30, linear_num_value_heads=30, linear_key_head_dim=96, linear_value_head_dim=192,
+        rope_parameters={"rope_theta": None}, tie_word_embeddings=False)),
+    "lfm2-2.6b": ("Lfm2Config", "Lfm2ForCausalLM", dict(
+        vocab_size=65536, hidden_size=2048, num_hidden_layers=30, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=10752, block_auto_adjust_ff_dim=False,
+        layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21, 24, 27) else "conv" for i in range(30)],
+        tie_word_embeddings=True)),
+    "lfm2-8b-a1b": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
+        vocab_size=65536, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=7168, moe_intermediate_size=1792, num_experts=32, num_experts_per_tok=4,
+        num_dense_layers=2,
+        layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)],
+        tie_word_embeddings=True)),
+    "kimi-linear-scaled-14b": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(  # 64 of the 48B's 256 experts
+        vocab_size=163840, hidden_size=2304, num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32,
+        layer_types=["full_attention" if i in (3, 7, 11, 15, 19, 23, 26) else "linear_attention" for i in range(27)],
+        mlp_layer_types=["dense"] + ["sparse"] * 26, intermediate_size=9216, moe_intermediate_size=1024,
+        num_experts=64, num_experts_per_token=8, num_shared_experts=1, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, linear_num_heads=32, linear_head_dim=128,
+        tie_word_embeddings=False)),
     "tiny": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(  # a smoke test of this script (--device cpu)
         vocab_size=320, hidden_size=64, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, shared_expert_intermediate_size=32, intermediate_size=64, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2,
         linear_key_head_dim=16, linear_value_head_dim=16)),
+}
+# The released model each preset mirrors and its parameter count in billions (on the meta device; the docstring's
+# table and docs/bench.md quote it; tests/bench/test_gpu_bench_models.py holds each preset to it within 10%)
+PRESETS: dict[str, tuple[str, float]] = {
+    "next-1b": ("Qwen3-Next, shrunk", 1.39),
+    "next-16b": ("Qwen3-Next, shrunk", 16.6),
+    "dense-9b": ("transformers' default Qwen3.5 text config", 9.0),
+    "granite-4h-tiny": ("Granite-4.0-H-Tiny (7B-A1B)", 6.94),
+    "nemotron-h-9b": ("NVIDIA-Nemotron-Nano-9B-v2", 8.89),
+    "nemotron3-nano": ("NVIDIA-Nemotron-3-Nano-30B-A3B", 31.58),
+    "bamba-9b": ("Bamba-9B", 9.78),
+    "falcon-h1-1.5b-deep": ("Falcon-H1-1.5B-Deep", 1.56),
+    "jamba-3b-scaled": ("Jamba's layout scaled to ~3B, dense", 3.18),
+    "olmo-hybrid-7b": ("Olmo-Hybrid-7B", 7.43),
+    "lfm2-2.6b": ("LFM2-2.6B", 2.57),
+    "lfm2-8b-a1b": ("LFM2-8B-A1B", 8.34),
+    "kimi-linear-scaled-14b": ("Kimi-Linear-48B-A3B with 64 of its 256 experts", 13.78),
 }
 PHASES = ("A", "B", "C", "CH", "D", "DSYNC", "SWE")
 
@@ -114,13 +235,26 @@ def build_model(name: str, path: Path, seed: int = 0) -> Path:
     device = "cuda" if torch.cuda.is_available() else "cpu"  # drawing 9-17B values on the CPU takes minutes
     model = model.to_empty(device=device).to(torch.bfloat16)
     randomize_(model, seed=seed, draw_device=device)
+    zero_saved_buffers_(model)
     model.save_pretrained(path)
     del model
-    write_random_mtp(path, seed=seed, dtype=torch.bfloat16, draw_device=device)  # a head that drafts at random
+    if config.model_type in MTP_MODEL_TYPES:  # Qwen3-Next / Qwen3.5: a head that drafts at random
+        write_random_mtp(path, seed=seed, dtype=torch.bfloat16, draw_device=device)
     if device == "cuda":
         torch.cuda.empty_cache()
     build_byte_tokenizer().save(str(path / "tokenizer.json"))
     return path
+
+
+def zero_saved_buffers_(model: torch.nn.Module) -> None:
+    """Zero every buffer the folder will hold (`to_empty` leaves them unset and `randomize_` draws parameters
+    only): the MoE routers' score-correction / expert biases of Nemotron 3, LFM2-MoE and Kimi Linear, so that the
+    random router alone picks the experts, as in a model whose biases were never trained."""
+    saved = model.state_dict()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in saved:
+                buffer.zero_()
 
 
 SCALE = {"value": 1.0}  # --scale: every length of the workload is multiplied by it (smoke tests)
