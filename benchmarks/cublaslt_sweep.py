@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dense_gemm_sweep import COPY_RATE, step_linears  # noqa: E402
-from gpu_bench import MODELS  # noqa: E402
+from gpu_bench import QWEN_MODELS  # noqa: E402
 
 from hybridcache.kernels.gemm import dense  # noqa: E402
 
@@ -136,7 +136,7 @@ def measure(n: int, k: int, m: int, device: torch.device, limit: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", action="append", choices=[m for m in MODELS if m != "tiny"],
+    parser.add_argument("--model", action="append", choices=[m for m in QWEN_MODELS if m != "tiny"],
                         help="repeatable (default next-16b and dense-9b)")
     parser.add_argument("--rows", default="16,32,64")
     parser.add_argument("--limit", type=int, default=64, help="the most algorithms the heuristic returns")

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import MODELS  # noqa: E402
+from gpu_bench import MODELS, QWEN_MODELS  # noqa: E402
 
 from hybridcache.kernels.gemm import dense  # noqa: E402
 from hybridcache.layers.fused import padded_rows  # noqa: E402
@@ -113,7 +113,7 @@ def print_row(row: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", action="append", choices=list(MODELS), help="repeatable (default next-1b)")
+    parser.add_argument("--model", action="append", choices=QWEN_MODELS, help="repeatable (default next-1b)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

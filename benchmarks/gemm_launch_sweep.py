@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dense_gemm_sweep import COPY_RATE, step_linears  # noqa: E402
-from gpu_bench import MODELS  # noqa: E402
+from gpu_bench import QWEN_MODELS  # noqa: E402
 
 from hybridcache.kernels.gemm import dense  # noqa: E402
 from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, block_rows, fits, skinny_linear  # noqa: E402
@@ -278,7 +278,7 @@ def line(row: dict, m: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", action="append", choices=list(MODELS), help="repeatable (default next-1b)")
+    parser.add_argument("--model", action="append", choices=QWEN_MODELS, help="repeatable (default next-1b)")
     parser.add_argument("--rows", default="64,16,32,48", help="the first is measured on every shape before the others")
     parser.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     parser.add_argument("--no-experts", dest="experts", action="store_false")

@@ -192,6 +192,8 @@ MODELS = {
         num_key_value_heads=1, head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2,
         linear_key_head_dim=16, linear_value_head_dim=16)),
 }
+# The Qwen presets: the GEMM and MoE sweeps read Qwen3-Next / Qwen3.5 config fields, so they offer only these
+QWEN_MODELS = tuple(name for name, (config_class, _, _) in MODELS.items() if config_class.startswith("Qwen3"))
 # The released model each preset mirrors and its parameter count in billions (on the meta device; the docstring's
 # table and docs/bench.md quote it; tests/bench/test_gpu_bench_models.py holds each preset to it within 10%)
 PRESETS: dict[str, tuple[str, float]] = {

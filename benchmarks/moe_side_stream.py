@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import MODELS  # noqa: E402
+from gpu_bench import MODELS, QWEN_MODELS  # noqa: E402
 
 import hybridcache.kernels.backend as kernel_backend  # noqa: E402
 from hybridcache.layers.mlp import SparseMoeBlock  # noqa: E402
@@ -128,6 +128,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    moe_models = [m for m in QWEN_MODELS if "num_experts" in MODELS[m][2]]
+    if unknown := [m for m in args.models.split(",") if m not in moe_models]:
+        parser.error(f"--models takes the Qwen MoE presets {moe_models}, not {unknown}")
     step = _Step(kernel_backend.get_backend("cuda"))
     rows = []
     print(f"{'model':9} {'T':>3} {'variant':7} {'graph us/layer':>15} {'eager us/layer':>15}  vs one stream")
