@@ -1,8 +1,8 @@
 """The served families' tool-call parsers through a real server on the built-in model (its text forced with guided
 regexes, as the nemotron_json tests do): `tool_calls` whole and streamed for each of kimi_k2, jamba, lfm2, olmo3,
-pythonic and granite4; a forced call (tool_choice "required" or named) in Jamba's own format, and refused with a 400
-naming the parser where it cannot be written in the parser's format. And the special-token path: a tokenizer
-whose tool-call tags are special tokens keeps them for the parser and drops the other special tokens."""
+pythonic and granite4; a forced call (tool_choice "required" or named) in Jamba's and in Kimi's own format, and
+refused with a 400 naming the parser where it cannot be written in the parser's format. And the special-token path:
+a tokenizer whose tool-call tags are special tokens keeps them for the parser and drops the other special tokens."""
 
 from __future__ import annotations
 
@@ -79,7 +79,29 @@ def test_a_forced_call_with_jamba_is_written_in_jambas_format():
     assert choice["finish_reason"] == "tool_calls"
 
 
-@pytest.mark.parametrize("parser", ["kimi_k2", "lfm2", "olmo3", "pythonic"])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_forced_call_with_kimi_k2_is_written_in_kimis_section(tool_choice):
+    """tool_choice "required" (one call: parallel_tool_calls false) or a named function, with `--tool-call-parser
+    kimi_k2`: the output is Kimi's section (no white space, the call's id numbered from 0), read back as the call
+    with the model's id; a named function finishes with "stop", "required" with "tool_calls"."""
+    with serving(tool_call_parser="kimi_k2") as base_url:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "time?"}], "tools": CLOSED,
+                "max_tokens": 300, "temperature": 0, "tool_choice": tool_choice, "parallel_tool_calls": False,
+                "return_token_ids": True}
+        choice = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120).raise_for_status().json()[
+            "choices"][0]
+    text = Tokenizer(ensure_builtin_model()).decode(choice["token_ids"])
+    assert re.fullmatch(r"<\|tool_calls_section_begin\|><\|tool_call_begin\|>functions\.get_time:0"
+                        r'<\|tool_call_argument_begin\|>\{"unit": "[cf]"\}<\|tool_call_end\|>'
+                        r"<\|tool_calls_section_end\|>", text), text
+    message = choice["message"]
+    assert message["content"] == "" and [(c["id"], c["function"]["name"]) for c in message["tool_calls"]] == [
+        ("functions.get_time:0", "get_time")]
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"])["unit"] in ("c", "f")
+    assert choice["finish_reason"] == ("tool_calls" if tool_choice == "required" else "stop")
+
+
+@pytest.mark.parametrize("parser", ["lfm2", "olmo3", "pythonic"])
 def test_a_forced_call_is_refused_where_the_parser_could_not_read_it(parser):
     with serving(tool_call_parser=parser) as base_url:
         for tool_choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
