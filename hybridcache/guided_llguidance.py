@@ -2,8 +2,9 @@
 falls back from xgrammar to guidance). llguidance enforces every keyword it accepts and refuses the rest
 (`Unimplemented keys: ["uniqueItems"]`, `Unknown format: uuid4`). A JSON schema is written the way `tojson` writes
 JSON, as the xgrammar grammars write it; a forced tool call is a Lark grammar around the call's schema
-(`%json {...}`), Kimi's section written by `guided_kimi` as `guided` writes it for xgrammar. `LLGuidanceCompiler` compiles, `LLGuidanceGrammar` hands out matchers with xgrammar's
-`GrammarMatcher` interface. llguidance is imported on first use (the `guided` extra).
+(`%json {...}`), Kimi's section written by `guided_kimi` as `guided` writes it for xgrammar. `LLGuidanceCompiler`
+compiles, `LLGuidanceGrammar` hands out matchers with xgrammar's `GrammarMatcher` interface. llguidance is imported
+on first use (the `guided` extra).
 """
 
 from __future__ import annotations
