@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import httpx
 import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
+from hybridcache.guided_kimi import TAGS as SECTION_TAGS
 from hybridcache.models.builtin import BUILTIN_NAME, ensure_builtin_model
 from hybridcache.server.chat_output import ChatOutputOptions, final_message
 from hybridcache.server.special_tokens import special_token_texts, strippable
@@ -146,3 +148,54 @@ def test_tags_that_are_special_tokens_are_kept_for_the_parser_and_other_special_
     # the Qwen parsers' tags are not special here: the request is decoded as it asks
     assert strippable(specials, tool_format("hermes").tags) is None
     assert strippable(specials, ()) is None
+
+
+EXTRA = "<|extra_0|>"  # a special token that is no tag: the message must not show it
+
+
+@pytest.fixture(scope="module")
+def kimi_tokens_folder(tmp_path_factory) -> str:
+    """A copy of the built-in model whose tokenizer has Kimi's tags and `EXTRA` as special added tokens (ids past
+    the tokenizer's 259, inside the model's 320 rows), as Kimi's own tokenizer has its tags."""
+    folder = tmp_path_factory.mktemp("kimi_tokens") / "model"
+    shutil.copytree(ensure_builtin_model(), folder)
+    hf = AutoTokenizer.from_pretrained(folder)
+    hf.add_special_tokens({"additional_special_tokens": [*KIMI_TAGS, EXTRA]})
+    hf.save_pretrained(folder)
+    return str(folder)
+
+
+def _special_ids(folder: str) -> dict[str, int]:
+    hf = AutoTokenizer.from_pretrained(folder)
+    ids = dict(zip([*KIMI_TAGS, EXTRA], hf.convert_tokens_to_ids([*KIMI_TAGS, EXTRA])))
+    assert len(set(ids.values())) == len(ids) and min(ids.values()) >= 259 and ids.keys() <= special_token_texts(hf)
+    return ids
+
+
+@pytest.mark.parametrize("forced_by", ["guided_regex", "tool_choice"])
+def test_tags_generated_as_special_tokens_reach_the_parser_end_to_end(kimi_tokens_folder, forced_by):
+    """A served tokenizer whose Kimi tags are special tokens, the model's output forced (a guided regex, or a forced
+    call) and the tags and `EXTRA` made its choice wherever the grammar allows them (logit_bias), so they are
+    generated as the special tokens' ids: the response carries the calls (a decode that skipped special tokens
+    would leave `functions.get_time:0{...}` as content) and no special-token text (`EXTRA` is taken out)."""
+    ids = _special_ids(kimi_tokens_folder)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "time?"}], "tools": CLOSED, "max_tokens": 300,
+            "temperature": 0, "return_token_ids": True, "logit_bias": {str(i): 100 for i in ids.values()}}
+    if forced_by == "guided_regex":
+        section = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>'
+                   '{"unit": "c"}<|tool_call_end|><|tool_calls_section_end|>')
+        body["guided_regex"] = re.escape(f"Let me{EXTRA} check." + section)
+        content, finish = "Let me check.", "tool_calls"
+    else:
+        body.update(tool_choice={"type": "function", "function": {"name": "get_time"}})
+        content, finish = "", "stop"
+    with serving(tool_call_parser="kimi_k2", model_path=kimi_tokens_folder) as base_url:
+        choice = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120).raise_for_status().json()[
+            "choices"][0]
+    generated = set(choice["token_ids"])
+    assert {ids[tag] for tag in SECTION_TAGS} <= generated, choice["token_ids"]  # (the tags as special tokens)
+    assert (ids[EXTRA] in generated) is (forced_by == "guided_regex")
+    message = choice["message"]
+    assert message["content"] == content and choice["finish_reason"] == finish
+    assert [(c["id"], c["function"]["name"]) for c in message["tool_calls"]] == [("functions.get_time:0", "get_time")]
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"])["unit"] in ("c", "f")
