@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from hybridcache.guided_kimi import section_rules as kimi_section_rules
 from hybridcache.guided_llguidance import LIST_TAGS, LLGuidanceCompiler, LLGuidanceGrammar, LLGuidanceMissing
 from hybridcache.schema_checks import unenforced_keyword
 
@@ -49,7 +50,11 @@ class GuidedKind(enum.Enum):
 #               <TOOLCALL>[{call}, {call}]</TOOLCALL>
 #   "jamba"     AI21's one list (Jamba 1.5 to 1.7, `--tool-call-parser jamba`):
 #               <tool_calls>[{call}, {call}]</tool_calls>
-TOOL_FORMATS = ("qwen", *LIST_TAGS)
+#   "kimi"      Moonshot's section (Kimi Linear, `--tool-call-parser kimi_k2`), the arguments A alone, the call's id
+#               naming the function and counting the calls (`guided_kimi`): <|tool_calls_section_begin|>
+#               <|tool_call_begin|>functions.N:0<|tool_call_argument_begin|>A<|tool_call_end|> ...
+#               <|tool_calls_section_end|>
+TOOL_FORMATS = ("qwen", *LIST_TAGS, "kimi")
 
 
 @dataclass(frozen=True)
@@ -192,6 +197,9 @@ class GrammarCache:
         try:
             if spec.kind is GuidedKind.JSON_SCHEMA:
                 compiled = self._fallback.json_schema(json.loads(spec.spec))
+            elif spec.tool_format == "kimi":
+                compiled = self._fallback.kimi_section([_function(tool) for tool in json.loads(spec.spec)],
+                                                       spec.parallel)
             else:
                 compiled = self._fallback.tool_calls([_call_schema(tool) for tool in json.loads(spec.spec)],
                                                      spec.parallel, spec.tool_format)
@@ -338,6 +346,8 @@ def _grammar(xgr: Any, spec: GuidedSpec) -> Any:
     if kind is GuidedKind.CHOICE:
         choices = json.loads(spec.spec)
         return xgr.Grammar.union(*(_literal(xgr, choice) for choice in choices))
+    if spec.tool_format == "kimi":
+        return _kimi_section(xgr, [_function(tool) for tool in json.loads(spec.spec)], spec.parallel)
     calls = [_json_schema(xgr, _call_schema(tool)) for tool in json.loads(spec.spec)]
     call = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
     if spec.tool_format in LIST_TAGS:
@@ -357,10 +367,32 @@ def _one_or_more(xgr: Any, grammar: Any, separator: str) -> Any:
     return xgr.Grammar.from_ebnf(f"{text}\n{name} ::= root ({separator} root)*\n", root_rule_name=name)
 
 
+def _kimi_section(xgr: Any, functions: Sequence[tuple[str, dict[str, Any]]], parallel: bool) -> Any:
+    """Kimi's section (`guided_kimi`) over the functions' (name, parameters): the parameters' grammars as the
+    branches of one union (xgrammar renames their rules apart; its root rule names one branch a tool, in order),
+    then the section's rules around them."""
+    text = str(xgr.Grammar.union(*(_json_schema(xgr, parameters) for _, parameters in functions)))
+    root = next(line for line in text.splitlines() if line.startswith("root ::="))
+    branches = re.findall(r"\((\w+)\)", root)  # root ::= ((root_1) | (root_2) | ...)
+    if len(branches) != len(functions):
+        raise RuntimeError(f"xgrammar's union of {len(functions)} grammars has an unexpected root rule: {root}")
+    names = {line.split("::=", 1)[0].strip() for line in text.splitlines() if "::=" in line}
+    prefix = next(f"kimi{i}" for i in range(len(names) + 1) if not any(n.startswith(f"kimi{i}_") for n in names))
+    section, rules = kimi_section_rules([name for name, _ in functions], branches, parallel, prefix=prefix,
+                                               defines="::=")
+    return xgr.Grammar.from_ebnf("\n".join([text, *rules, ""]), root_rule_name=section)
+
+
+def _function(tool: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A tool's (name, parameters schema) (OpenAI's `{"type": "function", "function": {...}}`, or the function
+    alone); parameters left out are any object, as in `tool_call_schema`."""
+    function = tool.get("function", tool)
+    return function["name"], dict(function.get("parameters") or {"type": "object"})
+
+
 def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     """`tool_call_schema` of a tool (OpenAI's `{"type": "function", "function": {...}}`, or the function alone)."""
-    function = tool.get("function", tool)
-    return tool_call_schema(function["name"], function.get("parameters"))
+    return tool_call_schema(*_function(tool))
 
 
 _DEFINITIONS = ("$defs", "definitions")

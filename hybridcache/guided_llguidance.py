@@ -2,8 +2,9 @@
 falls back from xgrammar to guidance). llguidance enforces every keyword it accepts and refuses the rest
 (`Unimplemented keys: ["uniqueItems"]`, `Unknown format: uuid4`). A JSON schema is written the way `tojson` writes
 JSON, as the xgrammar grammars write it; a forced tool call is a Lark grammar around the call's schema
-(`%json {...}`). `LLGuidanceCompiler` compiles, `LLGuidanceGrammar` hands out matchers with xgrammar's
-`GrammarMatcher` interface. llguidance is imported on first use (the `guided` extra).
+(`%json {...}`), Kimi's section written by `guided_kimi` as `guided` writes it for xgrammar. `LLGuidanceCompiler`
+compiles, `LLGuidanceGrammar` hands out matchers with xgrammar's `GrammarMatcher` interface. llguidance is imported
+on first use (the `guided` extra).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from hybridcache.guided_kimi import TAGS as KIMI_TAGS
+from hybridcache.guided_kimi import quoted, section_rules
 
 # The tool-call formats that write their calls as one JSON list, and the text around the list (`guided.TOOL_FORMATS`)
 LIST_TAGS = {"nemotron": ("<TOOLCALL>[", "]</TOOLCALL>"), "jamba": ("<tool_calls>[", "]</tool_calls>")}
@@ -243,6 +247,33 @@ class LLGuidanceCompiler:
             "call: " + " | ".join(f"call{i}" for i in range(len(bodies))),
             *bodies, ""])
         return self._compile(_llguidance(), lark)
+
+    def kimi_section(self, functions: Sequence[tuple[str, dict[str, Any]]], parallel: bool) -> LLGuidanceGrammar:
+        """Calls written in Kimi's section (`guided_kimi`), each of one of `functions` (name, parameters schema; read
+        as `strict` says). A tag that is a special token of the tokenizer is that token or its text (llguidance
+        matches a quoted tag's text only, never the special token the model was taught to write)."""
+        for _, parameters in functions:
+            _refuse_negative_only_multiples(parameters)
+        llg = _llguidance()
+        specials = self._special_tags(llg)
+        section, rules = section_rules(
+            [name for name, _ in functions], [f"args{k}" for k in range(len(functions))], parallel, prefix="kimi",
+            defines=":", tag=lambda text: f"({text} | {quoted(text)})" if text in specials
+            else quoted(text))
+        arguments = [f"args{k}: %json {json.dumps({**strict(parameters), 'x-guidance': _JSON_OPTIONS})}"
+                     for k, (_, parameters) in enumerate(functions)]
+        return self._compile(llg, "\n".join([f"start: {section}", *rules, *arguments, ""]))
+
+    def _special_tags(self, llg: Any) -> frozenset[str]:
+        """Kimi's tags that are one special token of the tokenizer each (llguidance's grammars name them bare)."""
+        tokenizer = self._llg_tokenizer(llg)
+        found = set()
+        for tag in KIMI_TAGS:
+            ids = self._hf_tokenizer.encode(tag, add_special_tokens=False)
+            if len(ids) == 1 and ids[0] < self._vocab_size and tokenizer.is_special_token(ids[0]) and \
+                    self._hf_tokenizer.convert_ids_to_tokens(ids[0]) == tag:  # (not an unknown-token id)
+                found.add(tag)
+        return frozenset(found)
 
     def _compile(self, llg: Any, grammar: str) -> LLGuidanceGrammar:
         tokenizer = self._llg_tokenizer(llg)

@@ -285,7 +285,7 @@ class _Routes:
         if model.tokenizer is not None:
             model.tokenizer.encode("warm-up")
         # the think tags' token ids, for the reasoning token count in `usage` (with a reasoning parser)
-        self.think_markers = ThinkMarkers.of(model.tokenizer) \
+        self.think_markers = ThinkMarkers.of(model.tokenizer, config.reasoning_parser.call_sections) \
             if config.reasoning_parser is not None and model.tokenizer is not None else None
         # the texts of the tokenizer's special tokens, kept for a tool-call parser whose tags are among them
         self.special_texts = special_token_texts(getattr(model.tokenizer, "hf", None))
@@ -426,6 +426,7 @@ class _Routes:
         chat = ChatOutputOptions(
             split_reasoning=split_reasoning,
             in_reasoning=in_reasoning,
+            call_sections=self.config.reasoning_parser.call_sections if split_reasoning else (),
             include_reasoning=body.include_reasoning,
             think_markers=self.think_markers,
             parse_tools=parse_tools,

@@ -21,23 +21,27 @@ from hybridcache.server.tool_parsers import ToolCall, ToolCallStream
 
 @dataclass(frozen=True)
 class ThinkMarkers:
-    """The token ids of the think block's tags (`reasoning.THINK_START`, `THINK_END`) and of `reasoning.TOOL_CALL`
-    (a call written inside the block ends it) as the tokenizer encodes them: one added token each in Qwen3
-    tokenizers, several in a byte-level one (the built-in test model's)."""
+    """The token ids of the think block's tags (`reasoning.THINK_START`, `THINK_END`), of `reasoning.TOOL_CALL`
+    (a call written inside the block ends it) and of the reasoning parser's `call_sections` (Kimi's section tags,
+    which end it too) as the tokenizer encodes them: one added token each in Qwen3 and Kimi tokenizers, several in
+    a byte-level one (the built-in test model's)."""
 
     start_ids: tuple[int, ...]
     end_ids: tuple[int, ...]
     call_ids: tuple[int, ...] = ()
+    section_ids: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
-    def of(cls, tokenizer: Any) -> ThinkMarkers:
-        return cls(*(tuple(tokenizer.encode(tag)) for tag in (reasoning.THINK_START, reasoning.THINK_END,
-                                                               reasoning.TOOL_CALL)))
+    def of(cls, tokenizer: Any, sections: tuple[str, ...] = ()) -> ThinkMarkers:
+        start, end, call = (tuple(tokenizer.encode(tag)) for tag in (reasoning.THINK_START, reasoning.THINK_END,
+                                                                        reasoning.TOOL_CALL))
+        return cls(start, end, call, tuple(tuple(tokenizer.encode(tag)) for tag in sections))
 
 
 @dataclass(frozen=True)
 class ChatOutputOptions:
     """split_reasoning: a reasoning parser is on; in_reasoning: the prompt left a think block open;
+    call_sections: the tags of tool-call sections that end a think block (`ReasoningParser.call_sections`);
     include_reasoning: false drops the reasoning from the message, whole or streamed (vLLM's `include_reasoning`);
     think_markers: the tags' token ids, for `reasoning_tokens` (None: no count).
     parse_tools: the request has tools and tool_choice is not "none"; tools: their definitions.
@@ -53,6 +57,7 @@ class ChatOutputOptions:
 
     split_reasoning: bool = False
     in_reasoning: bool = False
+    call_sections: tuple[str, ...] = ()
     include_reasoning: bool = True
     think_markers: ThinkMarkers | None = None
     parse_tools: bool = False
@@ -106,7 +111,8 @@ class ChoiceStream:
         delta = ChoiceDelta()
         content = stable
         if self.options.split_reasoning:
-            parts = reasoning.split(stable, in_reasoning=self.options.in_reasoning, finished=finished)
+            parts = reasoning.split(stable, in_reasoning=self.options.in_reasoning, finished=finished,
+                                    sections=self.options.call_sections)
             self.has_reasoning = self.has_reasoning or parts.reasoning is not None
             if parts.reasoning is not None and parts.reasoning.startswith(self._reasoning_sent):
                 delta.reasoning = parts.reasoning[len(self._reasoning_sent):]
@@ -157,13 +163,14 @@ def reasoning_tokens(text: str, token_ids: Sequence[int], options: ChatOutputOpt
     parsers count them (`count_reasoning_tokens`): the tokens inside the think block, its tags not counted. The
     block is the one `reasoning.split` finds: opened by the prompt (`options.in_reasoning`) or by the tag the text
     starts with; closed by the first closing tag after that, or by a tool call written inside it (the
-    `<tool_call>` is not counted), or running to the end (a choice cut inside its reasoning); 0 without a think
+    `<tool_call>` is not counted) or a tool-call section (`options.call_sections`: the first of its tags' ids, not
+    counted), or running to the end (a choice cut inside its reasoning); 0 without a think
     block or without `options.think_markers`. Worked example (Qwen3 tokens)::
 
         <think>  \n  plan  \n  </think>  \n\n  Hi      ->  3  (\n plan \n)
     """
     markers = options.think_markers
-    parts = reasoning.split(text, in_reasoning=options.in_reasoning, finished=True)
+    parts = reasoning.split(text, in_reasoning=options.in_reasoning, finished=True, sections=options.call_sections)
     if markers is None or parts.reasoning is None:
         return 0
     begin = 0
@@ -171,6 +178,9 @@ def reasoning_tokens(text: str, token_ids: Sequence[int], options: ChatOutputOpt
         at = _find(token_ids, markers.start_ids, 0)
         begin = 0 if at < 0 else at + len(markers.start_ids)
     before_content = text[:len(text) - len(parts.content)]
+    if parts.content.startswith(options.call_sections) and reasoning.THINK_END not in before_content:
+        ends = [at for ids in markers.section_ids if (at := _find(token_ids, ids, begin)) >= 0]
+        return min(ends, default=len(token_ids)) - begin
     closed_by_call = parts.content.startswith(reasoning.TOOL_CALL) and reasoning.THINK_END not in before_content
     end = _find(token_ids, markers.call_ids if closed_by_call else markers.end_ids, begin)
     if closed_by_call and end >= 0:  # the call that closes it comes after the reasoning's mentions of the tag

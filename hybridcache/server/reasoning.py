@@ -27,6 +27,17 @@ mentions) stays reasoning; while what follows one could still become `<function`
     "plan\n<tool_call>\n<func"           "plan"          ""          (maybe a call: held back)
     "plan\n<tool_call>\n<function=f>"    "plan"          "<tool_call>\n<function=f>"
     "a <tool_call> b"                    "a <tool_call> b" ""       (a mention: no function follows)
+
+With `--reasoning-parser kimi_k2` (`ReasoningParser.call_sections`, passed to `split` as `sections`) Kimi's
+`<|tool_calls_section_begin|>` (or the singular `<|tool_call_section_begin|>`, which Kimi's tool parser reads too)
+ends the reasoning wherever it stands in the think block, and the content (which the tool parser reads) starts at
+it, as vLLM's kimi_k2 reasoning parser has it: Kimi's section is never mentioned in text. A partial tag at the end
+of unfinished text is held back::
+
+    "plan\n<|tool_calls_sec"             "plan"          ""          (maybe the tag: held back)
+    "plan\n<|tool_calls_section_begin|>" "plan"          "<|tool_calls_section_begin|>"
+    "plan <tool_call> b\n<|tool_calls_section_begin|><|tool_call_begin|>..."
+                                        "plan <tool_call> b"         "<|tool_calls_section_begin|><|tool_call_..."
 """
 
 from __future__ import annotations
@@ -34,6 +45,8 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+
+from hybridcache.server.tool_formats import KIMI_BLOCK, KIMI_SINGULAR_BLOCK
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -48,7 +61,8 @@ class ReasoningParser(enum.Enum):
     of this module: Qwen3 and Qwen3.5, DeepSeek-R1 (AI21's Jamba Reasoning models use it too), NVIDIA Nemotron 3
     (`nemotron_v3`, vLLM's; `nano_v3`, the name NVIDIA's recipes give their plugin), whose format is Qwen3's, Moonshot's
     Kimi (`kimi_k2`) and AllenAI's OLMo 3 Think (`olmo3`). vLLM's kimi_k2 parser also ends the reasoning at a
-    `<|tool_calls_section_begin|>` written inside an unclosed think block; here only Qwen's `<tool_call>` does."""
+    `<|tool_calls_section_begin|>` written inside an unclosed think block, and so does `kimi_k2` here
+    (`call_sections`); Qwen's genuine `<tool_call>` ends it with every parser."""
 
     QWEN3 = "qwen3"
     DEEPSEEK_R1 = "deepseek_r1"
@@ -56,6 +70,11 @@ class ReasoningParser(enum.Enum):
     NANO_V3 = "nano_v3"
     KIMI_K2 = "kimi_k2"
     OLMO3 = "olmo3"
+
+    @property
+    def call_sections(self) -> tuple[str, ...]:
+        """The opening tags of tool-call sections that end an unclosed think block (`split`'s `sections`)."""
+        return (KIMI_BLOCK[0], KIMI_SINGULAR_BLOCK[0]) if self is ReasoningParser.KIMI_K2 else ()
 
 
 def starts_in_reasoning(tail: str) -> bool:
@@ -96,9 +115,16 @@ def _call_inside(reasoning: str, finished: bool) -> tuple[int, bool]:
     return -1, False
 
 
-def split(text: str, *, in_reasoning: bool, finished: bool) -> ReasoningSplit:
+def _section_inside(reasoning: str, sections: tuple[str, ...]) -> int:
+    """Where the first of the `sections` tags in the think block's text starts (module docstring), or -1."""
+    found = [at for tag in sections if (at := reasoning.find(tag)) >= 0]
+    return min(found, default=-1)
+
+
+def split(text: str, *, in_reasoning: bool, finished: bool, sections: tuple[str, ...] = ()) -> ReasoningSplit:
     """Split a completion's text (see the module docstring). `in_reasoning`: the prompt left a think block
-    open. `finished`: the text is final (nothing is held back)."""
+    open. `finished`: the text is final (nothing is held back). `sections`: the tags of tool-call sections that
+    end the think block (`ReasoningParser.call_sections`)."""
     stripped = text.lstrip()
     if stripped.startswith(THINK_START):  # the model opened the block, or repeated the prompt's opening tag
         text = stripped[len(THINK_START):]
@@ -107,7 +133,11 @@ def split(text: str, *, in_reasoning: bool, finished: bool) -> ReasoningSplit:
     elif not in_reasoning:
         return ReasoningSplit(None, text)
     end = text.find(THINK_END)
-    call, genuine = _call_inside(text if end < 0 else text[:end], finished or end >= 0)  # closed: decided
+    block = text if end < 0 else text[:end]
+    call, genuine = _call_inside(block, finished or end >= 0)  # closed: decided
+    section = _section_inside(block, sections)
+    if section >= 0 and (section < call or not genuine):  # (an undecided <tool_call> is never before it)
+        return ReasoningSplit(text[:section].strip("\n"), text[section:])
     if genuine:
         return ReasoningSplit(text[:call].strip("\n"), text[call:])
     if call >= 0:
@@ -115,7 +145,7 @@ def split(text: str, *, in_reasoning: bool, finished: bool) -> ReasoningSplit:
     if end < 0:
         reasoning = text.lstrip("\n")
         if not finished:
-            held = max(_partial_suffix(reasoning, THINK_END), _partial_suffix(reasoning, TOOL_CALL))
+            held = max(_partial_suffix(reasoning, tag) for tag in (THINK_END, TOOL_CALL, *sections))
             reasoning = reasoning[: len(reasoning) - held].rstrip("\n")
         return ReasoningSplit(reasoning, "")
     content = text[end + len(THINK_END):].lstrip("\n")

@@ -8,8 +8,8 @@ how a forced call (`tool_choice` "required" or named) is written in it. Data onl
     nemotron_json                            the Qwen blocks, <TOOLCALL>[JSON calls]</TOOLCALL>  <TOOLCALL>[...]
     jamba                                    <tool_calls>[JSON calls]</tool_calls>              <tool_calls>[...]
     kimi_k2                                  <|tool_calls_section_begin|> <|tool_call_begin|>   Kimi's section
-                                             functions.NAME:0 <|tool_call_argument_begin|>
-                                             {JSON} <|tool_call_end|> ... <|tool_calls_section_end|>
+                                             functions.NAME:0 <|tool_call_argument_begin|>      (`guided_kimi`,
+                                             {JSON} <|tool_call_end|> ... <|tool_calls_section_end|>  at most 32)
     lfm2                                     <|tool_call_start|>[f(a=1), g()]<|tool_call_end|>   refused (400)
     olmo3                                    <function_calls>f(a=1)\\ng()</function_calls>         refused (400)
     pythonic                                 the whole reply one Python list: [f(a=1), g()]     refused (400)
@@ -57,7 +57,7 @@ _FORMATS = {
     "hermes": _QWEN, "qwen25": _QWEN, "qwen3_coder": _QWEN, "qwen3_xml": _QWEN, "granite4": _QWEN,
     "nemotron_json": ToolFormat((*QWEN_BLOCKS, NEMOTRON_BLOCK), "nemotron"),
     "jamba": ToolFormat((JAMBA_BLOCK,), "jamba"),
-    "kimi_k2": ToolFormat((KIMI_BLOCK, KIMI_SINGULAR_BLOCK), None,
+    "kimi_k2": ToolFormat((KIMI_BLOCK, KIMI_SINGULAR_BLOCK), "kimi",
                           inner_tags=(KIMI_CALL_BEGIN, KIMI_ARGUMENTS_BEGIN, KIMI_CALL_END)),
     "lfm2": ToolFormat((LFM2_BLOCK,), None),
     "olmo3": ToolFormat((OLMO3_BLOCK,), None),

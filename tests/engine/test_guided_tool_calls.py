@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from hybridcache import guided_kimi
 from hybridcache.guided import GrammarCache, GuidedSpec
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.server.structured import tool_choice_spec
@@ -133,5 +134,102 @@ def test_the_list_formats_force_one_list_of_calls(cache_and_tokenizer, backend, 
 
 
 def test_an_unknown_tool_format_is_refused():
-    with pytest.raises(ValueError, match="unknown tool-call format 'hermes'; known: qwen, nemotron, jamba"):
+    with pytest.raises(ValueError, match="unknown tool-call format 'hermes'; known: qwen, nemotron, jamba, kimi"):
         GuidedSpec.tool_calls([WEATHER], tool_format="hermes")
+
+
+def _section(*calls: tuple[str, dict], first_index: int = 0) -> str:
+    """Kimi's section as its chat template writes calls back: no white space, ids counting from `first_index`."""
+    return "<|tool_calls_section_begin|>" + "".join(
+        f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{json.dumps(arguments)}"
+        "<|tool_call_end|>" for i, (name, arguments) in enumerate(calls, first_index)) + "<|tool_calls_section_end|>"
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("parallel", [True, False])
+def test_kimis_format_forces_one_section_of_numbered_calls(cache_and_tokenizer, backend, parallel):
+    """With `--tool-call-parser kimi_k2` a forced call is Kimi's section: each call's id `functions.NAME:IDX`, IDX
+    counting the calls from 0, then the arguments alone (valid for that function's schema, not another's); with
+    parallel calls up to `guided_kimi.MAX_CALLS` of them, otherwise one. Through xgrammar and llguidance alike."""
+    if backend == "llguidance":
+        pytest.importorskip("llguidance")
+    tools, first, second = BACKENDS[backend]
+    spec = GuidedSpec.tool_calls(tools, parallel=parallel, tool_format="kimi")
+    assert _accepts(cache_and_tokenizer, spec, _section(first))
+    assert _accepts(cache_and_tokenizer, spec, _section(first, second)) is parallel
+    assert _accepts(cache_and_tokenizer, spec, _section(*[first] * guided_kimi.MAX_CALLS)) is parallel
+    assert not _accepts(cache_and_tokenizer, spec, _section(*[first] * (guided_kimi.MAX_CALLS + 1)))
+    assert not _accepts(cache_and_tokenizer, spec, _section(first, first_index=1))  # (ids count from 0)
+    assert not _accepts(cache_and_tokenizer, spec, _section(first, second).replace(":1<", ":0<"))
+    assert not _accepts(cache_and_tokenizer, spec, _section(first).replace("><", ">\n<"))  # (no white space)
+    assert not _accepts(cache_and_tokenizer, spec, _section(first).replace("functions.", ""))
+    assert not _accepts(cache_and_tokenizer, spec, _section(first) + "\n")
+    assert not _accepts(cache_and_tokenizer, spec, "<tool_call>\n" + json.dumps(
+        {"name": first[0], "arguments": first[1]}) + "\n</tool_call>")
+    assert not _accepts(cache_and_tokenizer, spec, _section((first[0], {"name": first[0], "arguments": first[1]})))
+    if backend == "xgrammar":  # (a function's arguments are checked against its own schema)
+        assert not _accepts(cache_and_tokenizer, spec, _section(("get_time", {"city": "Paris"})))
+        assert not _accepts(cache_and_tokenizer, spec, _section(("get_weather", {})))
+    else:
+        assert not _accepts(cache_and_tokenizer, spec, _section(("step", {"n": 7})))
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kimis_section_reads_back_as_the_calls_it_forces(cache_and_tokenizer, backend):
+    """What the grammar takes is what `--tool-call-parser kimi_k2` reads back: the calls, with the ids as written."""
+    from hybridcache.server.tool_parsers import parse_tool_calls
+
+    if backend == "llguidance":
+        pytest.importorskip("llguidance")
+    tools, first, second = BACKENDS[backend]
+    text = _section(first, second)
+    assert _accepts(cache_and_tokenizer, GuidedSpec.tool_calls(tools, parallel=True, tool_format="kimi"), text)
+    parsed = parse_tool_calls(text, tools, "kimi_k2")
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        (f"functions.{first[0]}:0", *first), (f"functions.{second[0]}:1", *second)]
+
+
+@needs_xgrammar
+def test_a_tool_name_kimis_ids_cannot_carry_is_refused(cache_and_tokenizer):
+    """`functions.a.b:0` reads back as the call of `b`: such a name cannot be forced in Kimi's format."""
+    cache, _ = cache_and_tokenizer
+    dotted = {"type": "function", "function": {"name": "search.web", "parameters": {"type": "object"}}}
+    with pytest.raises(ValueError, match="'search.web' cannot be forced in Kimi's format"):
+        cache.check(GuidedSpec.tool_calls([dotted], tool_format="kimi"))
+
+
+@pytest.fixture(scope="module")
+def kimi_special_tokenizer(tmp_path_factory) -> Tokenizer:
+    """The built-in model's tokenizer with Kimi's tags added as special tokens (as Kimi's tokenizer has them)."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(ensure_builtin_model())
+    hf.add_special_tokens({"additional_special_tokens": list(guided_kimi.TAGS)})
+    folder = tmp_path_factory.mktemp("kimi_tokenizer")
+    hf.save_pretrained(folder)
+    return Tokenizer(folder)
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kimis_tags_may_be_their_special_tokens(kimi_special_tokenizer, backend):
+    """Where the tags are special tokens (Kimi's tokenizer), the grammar takes each as its one token, the token the
+    model was taught to write (llguidance matched only the tag's text until its grammar named the token), and as
+    its text spelled out too."""
+    if backend == "llguidance":
+        pytest.importorskip("llguidance")
+    tokenizer = kimi_special_tokenizer
+    cache = GrammarCache(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id])
+    tools, first, second = BACKENDS[backend]
+    spec = GuidedSpec.tool_calls(tools, parallel=True, tool_format="kimi")
+    text = _section(first, second)
+    as_tokens = tokenizer.encode(text)
+    tag_ids = set(tokenizer.hf.convert_tokens_to_ids(list(guided_kimi.TAGS)))
+    assert set(as_tokens) >= tag_ids and len(tag_ids) == len(guided_kimi.TAGS)
+    spelled = [token for character in text for token in tokenizer.encode(character)]
+    assert not tag_ids & set(spelled)
+    for token_ids in (as_tokens, spelled):
+        matcher = cache.matcher(spec)
+        assert all(matcher.accept_token(t) for t in token_ids) and matcher.accept_token(tokenizer.eos_token_id)

@@ -30,12 +30,14 @@ ENGINE = EngineConfig(block_size=16, max_model_len=4096, num_blocks=2048)
 
 @contextlib.contextmanager
 def serving(engine_config: EngineConfig = ENGINE, chat_template: str | None = None,
-            sampling_defaults: SamplingDefaults | None = None, **server_options) -> Iterator[str]:
-    """Serve the built-in model on a free loopback port; yields the base URL (`.../v1` is the API).
+            sampling_defaults: SamplingDefaults | None = None, model_path: str | None = None,
+            **server_options) -> Iterator[str]:
+    """Serve the built-in model (or the folder `model_path`, served under the built-in model's name) on a free
+    loopback port; yields the base URL (`.../v1` is the API).
     `chat_template`: the server's chat template instead of the folder's (serve's `--chat-template`);
     `sampling_defaults`: as a generation_config.json would give them (none by default)."""
     config = ServerConfig(port=free_port(), served_model_name=BUILTIN_NAME, **server_options)
-    engine = LLMEngine(None, engine_config)
+    engine = LLMEngine(model_path, engine_config)
     metrics = ServerMetrics(model_name=config.served_model_name, max_model_len=engine.max_model_len)
     loop = EngineLoop(engine, metrics, max_queued_requests=config.limits.max_queued_requests,
                       request_timeout_s=config.limits.request_timeout_s)

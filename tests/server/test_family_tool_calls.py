@@ -1,19 +1,21 @@
 """The served families' tool-call parsers through a real server on the built-in model (its text forced with guided
 regexes, as the nemotron_json tests do): `tool_calls` whole and streamed for each of kimi_k2, jamba, lfm2, olmo3,
-pythonic and granite4; a forced call (tool_choice "required" or named) in Jamba's own format, and refused with a 400
-naming the parser where it cannot be written in the parser's format. And the special-token path: a tokenizer
-whose tool-call tags are special tokens keeps them for the parser and drops the other special tokens."""
+pythonic and granite4; a forced call (tool_choice "required" or named) in Jamba's and in Kimi's own format, and
+refused with a 400 naming the parser where it cannot be written in the parser's format. And the special-token path:
+a tokenizer whose tool-call tags are special tokens keeps them for the parser and drops the other special tokens."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import httpx
 import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
+from hybridcache.guided_kimi import TAGS as SECTION_TAGS
 from hybridcache.models.builtin import BUILTIN_NAME, ensure_builtin_model
 from hybridcache.server.chat_output import ChatOutputOptions, final_message
 from hybridcache.server.special_tokens import special_token_texts, strippable
@@ -79,7 +81,29 @@ def test_a_forced_call_with_jamba_is_written_in_jambas_format():
     assert choice["finish_reason"] == "tool_calls"
 
 
-@pytest.mark.parametrize("parser", ["kimi_k2", "lfm2", "olmo3", "pythonic"])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_forced_call_with_kimi_k2_is_written_in_kimis_section(tool_choice):
+    """tool_choice "required" (one call: parallel_tool_calls false) or a named function, with `--tool-call-parser
+    kimi_k2`: the output is Kimi's section (no white space, the call's id numbered from 0), read back as the call
+    with the model's id; a named function finishes with "stop", "required" with "tool_calls"."""
+    with serving(tool_call_parser="kimi_k2") as base_url:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "time?"}], "tools": CLOSED,
+                "max_tokens": 300, "temperature": 0, "tool_choice": tool_choice, "parallel_tool_calls": False,
+                "return_token_ids": True}
+        choice = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120).raise_for_status().json()[
+            "choices"][0]
+    text = Tokenizer(ensure_builtin_model()).decode(choice["token_ids"])
+    assert re.fullmatch(r"<\|tool_calls_section_begin\|><\|tool_call_begin\|>functions\.get_time:0"
+                        r'<\|tool_call_argument_begin\|>\{"unit": "[cf]"\}<\|tool_call_end\|>'
+                        r"<\|tool_calls_section_end\|>", text), text
+    message = choice["message"]
+    assert message["content"] == "" and [(c["id"], c["function"]["name"]) for c in message["tool_calls"]] == [
+        ("functions.get_time:0", "get_time")]
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"])["unit"] in ("c", "f")
+    assert choice["finish_reason"] == ("tool_calls" if tool_choice == "required" else "stop")
+
+
+@pytest.mark.parametrize("parser", ["lfm2", "olmo3", "pythonic"])
 def test_a_forced_call_is_refused_where_the_parser_could_not_read_it(parser):
     with serving(tool_call_parser=parser) as base_url:
         for tool_choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
@@ -124,3 +148,54 @@ def test_tags_that_are_special_tokens_are_kept_for_the_parser_and_other_special_
     # the Qwen parsers' tags are not special here: the request is decoded as it asks
     assert strippable(specials, tool_format("hermes").tags) is None
     assert strippable(specials, ()) is None
+
+
+EXTRA = "<|extra_0|>"  # a special token that is no tag: the message must not show it
+
+
+@pytest.fixture(scope="module")
+def kimi_tokens_folder(tmp_path_factory) -> str:
+    """A copy of the built-in model whose tokenizer has Kimi's tags and `EXTRA` as special added tokens (ids past
+    the tokenizer's 259, inside the model's 320 rows), as Kimi's own tokenizer has its tags."""
+    folder = tmp_path_factory.mktemp("kimi_tokens") / "model"
+    shutil.copytree(ensure_builtin_model(), folder)
+    hf = AutoTokenizer.from_pretrained(folder)
+    hf.add_special_tokens({"additional_special_tokens": [*KIMI_TAGS, EXTRA]})
+    hf.save_pretrained(folder)
+    return str(folder)
+
+
+def _special_ids(folder: str) -> dict[str, int]:
+    hf = AutoTokenizer.from_pretrained(folder)
+    ids = dict(zip([*KIMI_TAGS, EXTRA], hf.convert_tokens_to_ids([*KIMI_TAGS, EXTRA])))
+    assert len(set(ids.values())) == len(ids) and min(ids.values()) >= 259 and ids.keys() <= special_token_texts(hf)
+    return ids
+
+
+@pytest.mark.parametrize("forced_by", ["guided_regex", "tool_choice"])
+def test_tags_generated_as_special_tokens_reach_the_parser_end_to_end(kimi_tokens_folder, forced_by):
+    """A served tokenizer whose Kimi tags are special tokens, the model's output forced (a guided regex, or a forced
+    call) and the tags and `EXTRA` made its choice wherever the grammar allows them (logit_bias), so they are
+    generated as the special tokens' ids: the response carries the calls (a decode that skipped special tokens
+    would leave `functions.get_time:0{...}` as content) and no special-token text (`EXTRA` is taken out)."""
+    ids = _special_ids(kimi_tokens_folder)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "time?"}], "tools": CLOSED, "max_tokens": 300,
+            "temperature": 0, "return_token_ids": True, "logit_bias": {str(i): 100 for i in ids.values()}}
+    if forced_by == "guided_regex":
+        section = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>'
+                   '{"unit": "c"}<|tool_call_end|><|tool_calls_section_end|>')
+        body["guided_regex"] = re.escape(f"Let me{EXTRA} check." + section)
+        content, finish = "Let me check.", "tool_calls"
+    else:
+        body.update(tool_choice={"type": "function", "function": {"name": "get_time"}})
+        content, finish = "", "stop"
+    with serving(tool_call_parser="kimi_k2", model_path=kimi_tokens_folder) as base_url:
+        choice = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120).raise_for_status().json()[
+            "choices"][0]
+    generated = set(choice["token_ids"])
+    assert {ids[tag] for tag in SECTION_TAGS} <= generated, choice["token_ids"]  # (the tags as special tokens)
+    assert (ids[EXTRA] in generated) is (forced_by == "guided_regex")
+    message = choice["message"]
+    assert message["content"] == content and choice["finish_reason"] == finish
+    assert [(c["id"], c["function"]["name"]) for c in message["tool_calls"]] == [("functions.get_time:0", "get_time")]
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"])["unit"] in ("c", "f")
