@@ -101,7 +101,8 @@ def tool_choice_spec(tools: list[dict] | None, tool_choice: Any,
                      parallel_tool_calls: bool = False) -> GuidedSpec | None:
     """`tool_choice` "required" (some tool: one or more calls when the request's `parallel_tool_calls` is true, as
     OpenAI and vLLM have it, else exactly one) or `{"type": "function", "function": {"name": N}}` (one call of tool
-    N) forces tool calls in Qwen3's `<tool_call>` JSON format; "auto" and "none" constrain nothing."""
+    N) forces tool calls, in Qwen3's `<tool_call>` JSON format here (the server then sets the served parser's own
+    format: `tool_formats`); "auto" and "none" constrain nothing."""
     if tool_choice in (None, "auto", "none"):
         return None
     if not tools:
