@@ -1,6 +1,8 @@
 import os
 import tempfile
 
+import pytest
+
 # The built-in model is written once per test session into a private folder, never into ~/.cache.
 os.environ.setdefault("HYBRIDCACHE_HOME", tempfile.mkdtemp(prefix="hybridcache-test-home-"))
 os.environ.setdefault("HYBRIDCACHE_DEBUG", "1")  # the engine checks the cache whenever it goes idle
@@ -11,8 +13,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselected theirs: only the parents that will run are planned
 def pytest_collection_modifyitems(config, items):
-    """The kernel tests' Triton-interpreter children run one ahead of their parents (tests/kernels/interpreter.py)."""
+    """The kernel tests' Triton-interpreter children, batched per folder (tests/kernels/interpreter.py)."""
     from tests.kernels.interpreter import plan_children
 
     plan_children(items)
