@@ -21,10 +21,17 @@ os.environ["SSL_CERT_DIR"] = tempfile.mkdtemp(prefix="hybridcache-test-no-ca-")
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselected theirs: only the parents that will run are planned
 def pytest_collection_modifyitems(config, items):
-    """The kernel tests' Triton-interpreter children, batched per folder (tests/kernels/interpreter.py)."""
+    """Plan the kernel tests' Triton-interpreter children (tests/kernels/interpreter.py)."""
     from tests.kernels.interpreter import plan_children
 
     plan_children(items)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """Start the interpreter children planned to start with this test (tests/kernels/interpreter.py)."""
+    from tests.kernels.interpreter import start_early
+
+    start_early(nodeid)
 
 
 def pytest_sessionfinish(session, exitstatus):

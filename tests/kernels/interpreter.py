@@ -6,13 +6,16 @@ whose file's interpreted tests (those `pytest -k selector` picks in that file; a
 interpreted tests) run in a child pytest with the interpreter on. A parent never runs in a child, so no child
 spawns another. The markers every kernel test file uses live here too.
 
-The children are batched: a folder's parents (in the session's order, `plan_children`, called by tests/conftest.py
-once the session's items are chosen) are dealt round-robin into `NUM_BATCHES` batches, and one child runs each
-batch's files together (each file with its own selector), so the ~3 s a child spends importing torch and triton
-is paid per batch, not per file. The first parent of a folder to run starts every batch of the folder (on two
-cores, the batches compute side by side while the parent waits) and each parent waits for its own batch, then
-checks its own file's results only: a file's failure fails its own parent, not its neighbours'. A batch whose
-parents never ran is never started; one still running is stopped when the session ends (`stop_children`)."""
+The children are batched by folder: one child runs a batch's files together (each file with its own selector), so
+the ~3 s a child spends importing torch and triton is paid per batch, not per file. Each parent waits for its own
+batch, then checks its own file's results only: a file's failure fails its own parent, not its neighbours'.
+When the parents' folder comes after another folder in the session (tests/kernels after tests/engine), its one
+batch starts with that other folder's first test (`plan_children`, called by tests/conftest.py once the session's
+items are chosen; `start_early`, called as each test starts): the tests before it mostly run in the test process
+on one core, so the child computes on the other and is done, or nearly, when its parents run. A folder that the
+session starts with gets `NUM_BATCHES` batches instead, started by its first parent (the batches compute side by
+side while the parent waits). A batch whose parents never ran is stopped when the session ends
+(`stop_children`)."""
 
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (in the child process
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 BAD_TAGS = ("failure", "error", "skipped")  # a JUnit test case's children that say it did not pass
-NUM_BATCHES = 2  # children of one folder at once: one per core of the 2-core machine the suite is timed on
+NUM_BATCHES = 2  # of a folder the session starts with: one per core of the 2-core machine the suite is timed on
 
 
 class Parent:
@@ -142,23 +145,40 @@ def interpreted_in_child(selector: str, timeout: float = 600):
 
 
 _BATCHES: list[Batch] = []  # every planned batch, in the session's order
+_EARLY_STARTS: dict[str, list[Batch]] = {}  # node id of a test -> the batches that start as it starts
 
 
 def plan_children(items) -> None:
-    """Deal the collected parents of each folder, in order, round-robin into `NUM_BATCHES` batches, leaving out
-    parents skipped by a condition known now."""
+    """Plan the batches of the collected parents (leaving out those skipped by a condition known now), by folder
+    in the session's order: a folder whose tests come after another folder's gets one batch, started with that
+    other folder's first test; the session's first folder gets `NUM_BATCHES`, dealt round-robin, started with its
+    first parent."""
     by_folder: dict[Path, list[Parent]] = {}
+    first_items: dict[Path, str] = {}  # folder -> node id of its first test, in the session's order
     for item in items:
+        first_items.setdefault(item.path.parent, item.nodeid)
         parent = getattr(getattr(item, "function", None), "interpreter_parent", None)
         if parent is not None and not any(mark.args and mark.args[0] is True for mark in item.iter_markers("skipif")):
             by_folder.setdefault(parent.test_file.parent, []).append(parent)
     _BATCHES.clear()
-    for parents in by_folder.values():
-        for start in range(min(NUM_BATCHES, len(parents))):
-            batch = Batch(parents[start::NUM_BATCHES])
+    _EARLY_STARTS.clear()
+    folders = list(first_items)
+    for folder, parents in by_folder.items():
+        index = folders.index(folder) if folder in folders else 0
+        num_batches = NUM_BATCHES if index == 0 else 1
+        batches = [Batch(parents[start::num_batches]) for start in range(min(num_batches, len(parents)))]
+        for batch in batches:
             for parent in batch.parents:
                 parent.batch = batch
-            _BATCHES.append(batch)
+        _BATCHES.extend(batches)
+        if index > 0:
+            _EARLY_STARTS.setdefault(first_items[folders[index - 1]], []).extend(batches)
+
+
+def start_early(nodeid: str) -> None:
+    """Start the batches planned to start with this test (called as each test starts, by tests/conftest.py)."""
+    for batch in _EARLY_STARTS.pop(nodeid, ()):
+        batch.start()
 
 
 def _siblings(batch: Batch) -> list[Batch]:
