@@ -47,6 +47,7 @@ from torch import nn
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.attention import GatedAttention
+from hybridcache.layers.embedding import embedding
 from hybridcache.layers.gated_deltanet import GatedDeltaNet
 from hybridcache.layers.linear import module_linear, wants_fp8_rows
 from hybridcache.layers.mlp import MLP, SparseMoeBlock
@@ -119,7 +120,7 @@ class _Backbone(nn.Module):
 
     def __init__(self, config: ModelConfig, layers: list[nn.Module], norm: nn.Module) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 

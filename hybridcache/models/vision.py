@@ -32,6 +32,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import hybridcache.kernels.backend as kernel_backend
+from hybridcache.layers.embedding import embedding
 from hybridcache.models.vision_config import VisionConfig
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches, as transformers' image_grid_thw
@@ -126,7 +127,7 @@ class VisionTower(nn.Module):
         super().__init__()
         self.config = config
         self.patch_embed = PatchEmbed(config)
-        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        self.pos_embed = embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config)
         self.attention: kernel_backend.EncoderAttention = kernel_backend.encoder_attention(

@@ -8,8 +8,9 @@ every step; the head's own drafts equal one rank's head's, draft for draft, and 
 verify rows accept 0..k drafts and roll back on every rank) the acceptance counts equal one rank's; the same after
 the cache-equivalence workload (multi-turn conversations, shared system prompts). Seeded sampling (temperature >
 0, n = 2) with MTP on two ranks equals one rank with MTP: tokens, logprobs and acceptance counts. Slow: speculation
-turned off above a batch size with async steps between (their fed tokens broadcast). A folder without an MTP head is
-refused before any worker starts.
+turned off above a batch size with async steps between (their fed tokens broadcast); the long prompts on a fresh
+engine (by default they run after the workload). A folder without an MTP head is refused before any worker
+starts.
 """
 
 from __future__ import annotations
@@ -151,7 +152,10 @@ def record_head_drafts(engine: LLMEngine) -> dict:
 STOP = "3"
 
 
-@pytest.mark.parametrize("workload", [False, True], ids=["long-prompts", "with-cache-workload"])
+# slow: long-prompts (default: with-cache-workload, which runs the same long requests and assertions after the
+# cache-equivalence workload)
+@pytest.mark.parametrize("workload", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["long-prompts", "with-cache-workload"])
 def test_greedy_mtp_on_two_ranks_equals_one_rank_without_it(model_dir, workload):
     """Greedy tokens and finish reasons of two ranks with MTP (k = 2) equal one rank's without it; the head's drafts
     equal one rank's head's, and with oracle drafts the acceptance counts too (module docstring)."""

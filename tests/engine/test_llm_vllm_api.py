@@ -179,27 +179,56 @@ if sys.argv[2] == "keep-engine":
 """
 
 
-@pytest.mark.parametrize("ending", ["exit", "keep-engine", "in-function", "bare-engine"])
-def test_an_llm_never_closed_hands_its_cache_to_the_disk_tier(tmp_path, ending):
+ENDINGS = ("exit", "keep-engine", "in-function", "bare-engine")
+
+
+@pytest.fixture(scope="module")
+def disk_runs(tmp_path_factory) -> dict[str, list[tuple[int, str, str]]]:
+    """`_DISK_SCRIPT` run twice for every ending, each ending on a disk folder of its own: the four endings' first
+    runs side by side (separate processes, so they share nothing but the cores), then their second runs.
+    {ending: [(return code, stdout, stderr) of the first run, of the second]}."""
+    import os
+    import subprocess
+    import sys
+
+    folder = tmp_path_factory.mktemp("never-closed")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs: dict[str, list[tuple[int, str, str]]] = {ending: [] for ending in ENDINGS}
+    for ending in ENDINGS:
+        (folder / ending).mkdir()  # (as each test's tmp_path was: the disk folder itself is the engine's to make)
+    for turn in range(2):
+        started = {}
+        for ending in ENDINGS:
+            out, err = (open(folder / f"{ending}-{turn}.{name}", "w+") for name in ("out", "err"))  # noqa: SIM115
+            process = subprocess.Popen([sys.executable, "-c", _DISK_SCRIPT, str(folder / ending / "disk"), ending],
+                                       stdout=out, stderr=err, text=True, env=env)
+            started[ending] = process, out, err
+        for ending, (process, out, err) in started.items():
+            with out, err:
+                returncode = process.wait(timeout=300)
+                out.seek(0)
+                err.seek(0)
+                runs[ending].append((returncode, out.read(), err.read()))
+    return runs
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_an_llm_never_closed_hands_its_cache_to_the_disk_tier(disk_runs, ending):
     """vLLM's `LLM` has no close(): a script that just ends lost what the device pool and the host tier held, so
     every run of it missed. Its engine is now closed at exit; one whose `LLM` wrapper was dropped while its engine
     is kept (`LLM(...).engine`) keeps working until then; one made in a function (a script's `main()`) is closed
     as it is dropped (it was freed before exit, so the close at exit found nothing: hunt 184). A bare `LLMEngine`
     with a disk tier, never closed, exits cleanly and its cache is on disk: it was closed by `__del__` while the
     interpreter finalized, which aborted the process (rc 134, a PyTorch internal assertion; hunt 221)."""
-    import os
-    import subprocess
-    import sys
 
-    def run() -> int:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run([sys.executable, "-c", _DISK_SCRIPT, str(tmp_path / "disk"), ending],
-                              capture_output=True, text=True, env=env, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return int(done.stdout.split("cached ")[1].split()[0])
+    def cached_tokens(run: tuple[int, str, str]) -> int:
+        returncode, stdout, stderr = run
+        assert returncode == 0, stderr[-2000:]
+        return int(stdout.split("cached ")[1].split()[0])
 
-    assert run() == 0
-    assert run() > 0
+    first, second = disk_runs[ending]
+    assert cached_tokens(first) == 0
+    assert cached_tokens(second) > 0
 
 
 def test_stop_reason_names_the_stop_string_or_stop_token(llm):
