@@ -32,6 +32,7 @@ import torch
 
 from hybridcache.guided_kimi import section_rules as kimi_section_rules
 from hybridcache.guided_llguidance import LIST_TAGS, LLGuidanceCompiler, LLGuidanceGrammar, LLGuidanceMissing
+from hybridcache.guided_python import PYTHON_FORMATS, arguments_of, python_rules, python_values
 from hybridcache.schema_checks import unenforced_keyword
 
 
@@ -54,7 +55,10 @@ class GuidedKind(enum.Enum):
 #               naming the function and counting the calls (`guided_kimi`): <|tool_calls_section_begin|>
 #               <|tool_call_begin|>functions.N:0<|tool_call_argument_begin|>A<|tool_call_end|> ...
 #               <|tool_calls_section_end|>
-TOOL_FORMATS = ("qwen", *LIST_TAGS, "kimi")
+#   "lfm2", "olmo3", "pythonic"  Python calls, `N(key=value, ...)` with the arguments A as keywords, values as Python
+#               literals (`guided_python`): <|tool_call_start|>[N(a=1), ...]<|tool_call_end|> (LFM2),
+#               <function_calls>N(a=1)\n...</function_calls> (OLMo 3), [N(a=1), ...] (the whole reply)
+TOOL_FORMATS = ("qwen", *LIST_TAGS, "kimi", *PYTHON_FORMATS)
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,10 @@ class GrammarCache:
         (naming the keyword xgrammar would not enforce) or refuses the schema (its reason first, as vLLM's guidance
         backend refuses it)."""
         prefix = f"invalid {spec.kind.value} constraint: {unenforced} is not supported"
+        if spec.kind is GuidedKind.TOOL_CALLS and spec.tool_format in PYTHON_FORMATS:
+            raise ValueError(f"{prefix} in a forced call of the Python-call format ({spec.tool_format}): xgrammar "
+                             "would not enforce it, and llguidance writes values as JSON only (remove it, or use "
+                             "tool_choice 'auto' and check the arguments yourself)")
         try:
             if spec.kind is GuidedKind.JSON_SCHEMA:
                 compiled = self._fallback.json_schema(json.loads(spec.spec))
@@ -348,6 +356,9 @@ def _grammar(xgr: Any, spec: GuidedSpec) -> Any:
         return xgr.Grammar.union(*(_literal(xgr, choice) for choice in choices))
     if spec.tool_format == "kimi":
         return _kimi_section(xgr, [_function(tool) for tool in json.loads(spec.spec)], spec.parallel)
+    if spec.tool_format in PYTHON_FORMATS:
+        return _python_calls(xgr, [_function(tool) for tool in json.loads(spec.spec)], spec.parallel,
+                             spec.tool_format)
     calls = [_json_schema(xgr, _call_schema(tool)) for tool in json.loads(spec.spec)]
     call = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
     if spec.tool_format in LIST_TAGS:
@@ -381,6 +392,29 @@ def _kimi_section(xgr: Any, functions: Sequence[tuple[str, dict[str, Any]]], par
     section, rules = kimi_section_rules([name for name, _ in functions], branches, parallel, prefix=prefix,
                                                defines="::=")
     return xgr.Grammar.from_ebnf("\n".join([text, *rules, ""]), root_rule_name=section)
+
+
+def _python_calls(xgr: Any, functions: Sequence[tuple[str, dict[str, Any]]], parallel: bool,
+                  tool_format: str) -> Any:
+    """Python calls (`guided_python`) of the functions' (name, parameters): every argument's JSON grammar a branch
+    of one union (xgrammar renames their rules apart; its root rule names the branches in order), rewritten as
+    Python literals, then the calls' rules around them."""
+    tools = [(name, *arguments_of(name, parameters)) for name, parameters in functions]
+    values = [_json_schema(xgr, schema) for _, arguments, _ in tools for _, schema in arguments]
+    text, branches = "", []
+    if values:
+        text = python_values(str(xgr.Grammar.union(*values)))
+        root = next(line for line in text.splitlines() if line.startswith("root ::="))
+        branches = re.findall(r"\((\w+)\)", root)
+        if len(branches) != len(values):
+            raise RuntimeError(f"xgrammar's union of {len(values)} grammars has an unexpected root rule: {root}")
+    names = {line.split("::=", 1)[0].strip() for line in text.splitlines() if "::=" in line}
+    prefix = next(f"py{i}" for i in range(len(names) + 1) if not any(n.startswith(f"py{i}_") for n in names))
+    rules, at = [], iter(branches)
+    for name, arguments, required in tools:
+        rules.append((name, [(key, next(at)) for key, _ in arguments], required))
+    calls, lines = python_rules(rules, parallel, tool_format, prefix=prefix)
+    return xgr.Grammar.from_ebnf("\n".join([text, *lines, ""]), root_rule_name=calls)
 
 
 def _function(tool: dict[str, Any]) -> tuple[str, dict[str, Any]]:

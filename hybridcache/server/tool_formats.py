@@ -10,12 +10,12 @@ how a forced call (`tool_choice` "required" or named) is written in it. Data onl
     kimi_k2                                  <|tool_calls_section_begin|> <|tool_call_begin|>   Kimi's section
                                              functions.NAME:0 <|tool_call_argument_begin|>      (`guided_kimi`,
                                              {JSON} <|tool_call_end|> ... <|tool_calls_section_end|>  at most 32)
-    lfm2                                     <|tool_call_start|>[f(a=1), g()]<|tool_call_end|>   refused (400)
-    olmo3                                    <function_calls>f(a=1)\\ng()</function_calls>         refused (400)
-    pythonic                                 the whole reply one Python list: [f(a=1), g()]     refused (400)
+    lfm2                                     <|tool_call_start|>[f(a=1), g()]<|tool_call_end|>   the same,
+    olmo3                                    <function_calls>f(a=1)\\ng()</function_calls>         in Python calls
+    pythonic                                 the whole reply one Python list: [f(a=1), g()]     (`guided_python`)
 
-A forced call is refused for the Python-call formats: a JSON schema does not translate into a grammar of Python
-call syntax here, and a call written in another format would be text to the parser.
+A forced call in a Python-call format has its arguments as keywords, values as Python literals (`guided_python`
+says which schemas it can carry: a tool or argument name must be a Python identifier, for one).
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ _FORMATS = {
     "jamba": ToolFormat((JAMBA_BLOCK,), "jamba"),
     "kimi_k2": ToolFormat((KIMI_BLOCK, KIMI_SINGULAR_BLOCK), "kimi",
                           inner_tags=(KIMI_CALL_BEGIN, KIMI_ARGUMENTS_BEGIN, KIMI_CALL_END)),
-    "lfm2": ToolFormat((LFM2_BLOCK,), None),
-    "olmo3": ToolFormat((OLMO3_BLOCK,), None),
-    "pythonic": ToolFormat((), None, bare_list=True),
+    "lfm2": ToolFormat((LFM2_BLOCK,), "lfm2"),
+    "olmo3": ToolFormat((OLMO3_BLOCK,), "olmo3"),
+    "pythonic": ToolFormat((), "pythonic", bare_list=True),
 }
 TOOL_CALL_PARSERS = tuple(sorted(_FORMATS))
 

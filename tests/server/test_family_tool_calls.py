@@ -1,16 +1,19 @@
 """The served families' tool-call parsers through a real server on the built-in model (its text forced with guided
 regexes, as the nemotron_json tests do): `tool_calls` whole and streamed for each of kimi_k2, jamba, lfm2, olmo3,
-pythonic and granite4; a forced call (tool_choice "required" or named) in Jamba's and in Kimi's own format, and
-refused with a 400 naming the parser where it cannot be written in the parser's format. And the special-token path:
-a tokenizer whose tool-call tags are special tokens keeps them for the parser and drops the other special tokens."""
+pythonic and granite4; a forced call (tool_choice "required" or named) in Jamba's, Kimi's and the Python-call
+formats' own syntax, refused with a 400 naming the problem where a schema cannot be written in a Python call. And
+the special-token path: a tokenizer whose tool-call tags are special tokens keeps them for the parser and drops the
+other special tokens."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
 
 import httpx
+import jsonschema
 import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
@@ -103,16 +106,90 @@ def test_a_forced_call_with_kimi_k2_is_written_in_kimis_section(tool_choice):
     assert choice["finish_reason"] == ("tool_calls" if tool_choice == "required" else "stop")
 
 
-@pytest.mark.parametrize("parser", ["lfm2", "olmo3", "pythonic"])
-def test_a_forced_call_is_refused_where_the_parser_could_not_read_it(parser):
+# a tool whose every value is bounded (a random model's free strings may run past max_tokens), with values Python
+# writes otherwise than JSON (True / False / None), nested in a dict too
+SETTINGS = {"type": "function", "function": {"name": "set_mode", "parameters": {
+    "type": "object", "properties": {
+        "mode": {"enum": ["on", "off"]}, "level": {"type": "integer", "minimum": 0, "maximum": 9},
+        "quiet": {"type": "boolean"}, "note": {"type": "null"},
+        "opts": {"type": "object", "properties": {"fast": {"type": "boolean"}}, "required": ["fast"],
+                 "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+    "required": ["mode", "level", "quiet", "note", "opts"], "additionalProperties": False}}}
+PYTHON_CALLS = {"lfm2": r"<\|tool_call_start\|>\[(.*)\]<\|tool_call_end\|>",
+                "olmo3": r"<function_calls>(.*)</function_calls>", "pythonic": r"\[(.*)\]"}
+
+
+def _python_calls(text: str) -> list[tuple[str, dict]]:
+    """The calls of a Python call list, read independently of the server's parser: `ast.literal_eval` of each
+    keyword's value."""
+    return [(call.func.id, {k.arg: ast.literal_eval(k.value) for k in call.keywords})
+            for call in ast.parse(f"[{text}]", mode="eval").body.elts]
+
+
+@pytest.mark.parametrize("parser", list(PYTHON_CALLS))
+def test_a_forced_call_with_a_python_call_parser_is_written_as_python_calls(parser):
+    """tool_choice "required" (one call) or a named function, with `--tool-call-parser` lfm2, olmo3 or pythonic (it
+    was a 400): the output is the format's Python call with the schema's keywords, values as Python literals
+    (`True`, `None`), read back as the calls with JSON arguments valid for the schema, whole and streamed; "required"
+    finishes with "tool_calls", a named function with "stop"."""
+    tools = [SETTINGS, *CLOSED]
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
     with serving(tool_call_parser=parser) as base_url:
-        for tool_choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
-            body = {"model": MODEL, "messages": MESSAGES, "tools": CLOSED, "max_tokens": 20, "tool_choice": tool_choice}
+        client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        for tool_choice in ("required", {"type": "function", "function": {"name": "set_mode"}}):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "set it"}], "tools": tools,
+                    "max_tokens": 300, "temperature": 0, "tool_choice": tool_choice, "parallel_tool_calls": False,
+                    "return_token_ids": True}
+            choice = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120).raise_for_status(
+            ).json()["choices"][0]
+            text = Tokenizer(ensure_builtin_model()).decode(choice["token_ids"])
+            written = re.fullmatch(PYTHON_CALLS[parser], text, re.S)
+            assert written is not None and "true" not in written.group(1), text
+            wanted = _python_calls(written.group(1))
+            calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                     for c in choice["message"]["tool_calls"]]
+            assert calls == wanted and len(calls) == 1, text
+            for name, arguments in calls:
+                jsonschema.validate(arguments, schemas[name])
+            if isinstance(tool_choice, dict):
+                assert calls[0][0] == "set_mode" and "None" in text and "opts={" in text, text
+            assert choice["finish_reason"] == ("tool_calls" if tool_choice == "required" else "stop")
+            assert choice["message"]["content"] in ("", None)
+            stream = client.chat.completions.create(**{k: v for k, v in body.items() if k != "return_token_ids"},
+                                                    stream=True)
+            assert _stream_message(stream) == ("", calls, choice["finish_reason"])
+
+
+def test_python_calls_required_with_parallel_calls_may_write_several():
+    """With parallel calls "required" is one or more calls; each one the server reads back is a valid call."""
+    with serving(tool_call_parser="lfm2") as base_url:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "set it"}], "tools": CLOSED,
+                "max_tokens": 400, "temperature": 0, "tool_choice": "required", "return_token_ids": True}
+        choice = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120).raise_for_status().json()[
+            "choices"][0]
+    text = Tokenizer(ensure_builtin_model()).decode(choice["token_ids"])
+    written = re.fullmatch(PYTHON_CALLS["lfm2"], text, re.S)
+    assert written is not None, text
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]]
+    assert calls == _python_calls(written.group(1)) and choice["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("parser", list(PYTHON_CALLS))
+def test_a_forced_python_call_is_refused_where_its_grammar_cannot_hold_the_schema(parser):
+    """A schema keyword only llguidance would enforce (`multipleOf`: llguidance writes JSON values only) and a name
+    a Python call cannot carry are 400s that name the problem; tool_choice "auto" still serves."""
+    step = {"type": "function", "function": {"name": "step", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 5}}, "required": ["n"]}}}
+    dashed = {"type": "function", "function": {"name": "get-time", "parameters": {"type": "object"}}}
+    with serving(tool_call_parser=parser) as base_url:
+        for tools, problem in (([step], "multipleOf"), ([dashed], "'get-time'")):
+            body = {"model": MODEL, "messages": MESSAGES, "tools": tools, "max_tokens": 20, "tool_choice": "required"}
             response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
             assert response.status_code == 400, response.text
-            error = response.json()["error"]
-            assert error["param"] == "tool_choice" and f"--tool-call-parser {parser}" in error["message"]
-        auto = {"model": MODEL, "messages": MESSAGES, "tools": CLOSED, "max_tokens": 5, "tool_choice": "auto"}
+            message = response.json()["error"]["message"]
+            assert problem in message and "Python" in message, message
+        auto = {"model": MODEL, "messages": MESSAGES, "tools": [step], "max_tokens": 5, "tool_choice": "auto"}
         assert httpx.post(f"{base_url}/v1/chat/completions", json=auto, timeout=120).status_code == 200
 
 
