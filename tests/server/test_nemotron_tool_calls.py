@@ -17,6 +17,7 @@ from hybridcache.cli import build_parser
 from hybridcache.models.builtin import BUILTIN_NAME, ensure_builtin_model
 from hybridcache.server.chat_output import ChatOutputOptions, ChoiceStream, final_message
 from hybridcache.server.cli import server_config
+from hybridcache.server.reasoning import ReasoningParser
 from hybridcache.server.tool_parsers import ToolCallStream, parse_tool_calls
 from hybridcache.tokenizer import Tokenizer
 
@@ -156,6 +157,25 @@ def test_nvidias_command_line_reaches_the_server_config():
                                       "nemotron_toolcall_parser_no_streaming.py", "--tool-call-parser", NEMOTRON])
     assert server_config(args, ("m",)).tool_call_parser == NEMOTRON
     assert server_config(build_parser().parse_args(["serve"]), ("m",)).tool_call_parser is None
+
+
+@pytest.mark.parametrize("parser", list(ReasoningParser))
+def test_a_toolcall_block_in_an_unclosed_think_block_stays_reasoning_as_in_vllm(parser):
+    """Only `</think>` ends the reasoning before a `<TOOLCALL>` block: vLLM's reasoning parsers that pair with
+    nemotron_json (nemotron_v3 and deepseek_r1, which NVIDIA's nano plugins subclass) do not end it at a tool call,
+    unlike Qwen's genuine `<tool_call>` (every parser here) and Kimi's section (kimi_k2). A block the model writes
+    inside an open think block is reasoning, whole and streamed; closed first, it is the message's calls."""
+    options = _options(split_reasoning=True, in_reasoning=True, call_sections=parser.call_sections)
+    inside = "plan\n" + BLOCK
+    message = final_message(inside, options)
+    assert message["reasoning"] == inside and not message.get("tool_calls") and not message["content"]
+    assert _streamed(inside, options, seed=3) == ("", [])
+    closed = final_message("plan\n</think>\n" + BLOCK, options)
+    assert closed["reasoning"] == "plan" and _calls_of(closed) == CALLS
+
+
+def _calls_of(message: dict) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
 
 
 # --- through a server -----------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ parser reads back as calls whose JSON arguments the schema validates), the text 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema
@@ -113,6 +114,20 @@ def test_a_named_function_is_that_functions_call_only(cache_and_tokenizer):
     assert _accepts(cache_and_tokenizer, spec, _written("lfm2", "get_time()"))
     assert not _accepts(cache_and_tokenizer, spec, _written("lfm2", 'get_weather(city="P")'))
     assert not _accepts(cache_and_tokenizer, spec, _written("lfm2", "get_time()", "get_time()"))
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("tool_format", list(PYTHON_FORMATS))
+def test_behind_the_reasoning_gate_the_reasoning_is_free_and_the_call_forced_after_it(cache_and_tokenizer,
+                                                                                      tool_format):
+    """A prompt that opens a think block gates the grammar at `</think>` (`GuidedSpec.starts_after`): any reasoning,
+    then the call in the format; a reasoning that is never closed is never done."""
+    spec = dataclasses.replace(GuidedSpec.tool_calls(TOOLS, tool_format=tool_format), starts_after="</think>")
+    call = _written(tool_format, "get_time()")
+    assert _accepts(cache_and_tokenizer, spec, "plan: call get_time(x=1) <tool_call>\n</think>" + call)
+    assert not _accepts(cache_and_tokenizer, spec, "plan\n</think>get_time(x=1)")
+    assert not _accepts(cache_and_tokenizer, spec, "plan\n</think>" + _written(tool_format, "get_time(x=1)"))
+    assert not _accepts(cache_and_tokenizer, spec, "plan " + call)  # (the grammar never started)
 
 
 def test_json_values_are_written_as_python_literals():

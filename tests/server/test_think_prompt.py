@@ -17,6 +17,7 @@ from hybridcache.server.chat_output import ChatOutputOptions, final_message
 from hybridcache.server.chat_prompt import checkpoint_steps, render_chat
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.protocol import ChatCompletionRequest, parse_request
+from hybridcache.server.tool_formats import tool_format
 from hybridcache.tokenizer import Tokenizer
 
 from .inprocess_server import serving
@@ -55,14 +56,15 @@ def _chat(base_url: str, **body) -> dict:
     return response.json()
 
 
-def _prepared(thinking: bool, **body):
-    """`_Routes.prepare_chat` of a body, with the qwen3 reasoning parser and the built-in template, or (`thinking`)
-    the one whose generation prompt opens a think block (the built-in folder must exist: the `tokenizer` fixture)."""
+def _prepared(thinking: bool, tool_call_parser: str | None = None, **body):
+    """`_Routes.prepare_chat` of a body, with the qwen3 reasoning parser (and `tool_call_parser`) and the built-in
+    template, or (`thinking`) the one whose generation prompt opens a think block (the built-in folder must exist:
+    the `tokenizer` fixture)."""
     tokenizer = Tokenizer(builtin_model_dir())
     if thinking:
         tokenizer.chat_template = think_template(tokenizer)
-    routes = _Routes(None, ServedModel(tokenizer=tokenizer, max_model_len=4096), ServerConfig(reasoning_parser="qwen3"),
-                     None)
+    config = ServerConfig(reasoning_parser="qwen3", tool_call_parser=tool_call_parser)
+    routes = _Routes(None, ServedModel(tokenizer=tokenizer, max_model_len=4096), config, None)
     try:
         return asyncio.run(routes.prepare_chat(parse_request(ChatCompletionRequest, {"messages": USER, **body})))
     finally:
@@ -79,6 +81,16 @@ def test_a_constraint_starts_after_the_reasoning_when_the_prompt_opens_a_think_b
     assert thinking.rendering.chat.in_reasoning and thinking.params.guided.starts_after == "</think>"
     plain = _prepared(False, **body)
     assert not plain.rendering.chat.in_reasoning and plain.params.guided.starts_after == ""
+
+
+@pytest.mark.parametrize("parser", ["nemotron_json", "jamba", "kimi_k2", "lfm2", "olmo3", "pythonic"])
+def test_a_forced_call_in_a_familys_own_format_starts_after_the_reasoning_too(tokenizer, parser):
+    """The family formats (the Python-call ones included) are gated as Qwen's block is: the reasoning the prompt
+    opened is free, the call in the parser's format is forced after `</think>`."""
+    guided = _prepared(True, tool_call_parser=parser, tools=[TIME], tool_choice="required").params.guided
+    assert (guided.tool_format, guided.starts_after) == (tool_format(parser).forced, "</think>")
+    assert _prepared(False, tool_call_parser=parser, tools=[TIME], tool_choice="required").params.guided.starts_after \
+        == ""
 
 
 def test_a_gated_tool_call_parses_as_tool_calls_after_the_reasoning():
