@@ -130,6 +130,24 @@ def test_behind_the_reasoning_gate_the_reasoning_is_free_and_the_call_forced_aft
     assert not _accepts(cache_and_tokenizer, spec, "plan " + call)  # (the grammar never started)
 
 
+@needs_xgrammar
+def test_lfm2s_tags_may_be_their_special_tokens(tmp_path):
+    """LFM2's tokenizer has `<|tool_call_start|>` and `<|tool_call_end|>` as special tokens: the grammar takes each
+    as its one token, the one the model was taught to write."""
+    from transformers import AutoTokenizer
+
+    tags = ["<|tool_call_start|>", "<|tool_call_end|>"]
+    hf = AutoTokenizer.from_pretrained(ensure_builtin_model())
+    hf.add_special_tokens({"additional_special_tokens": tags})
+    hf.save_pretrained(tmp_path)
+    tokenizer = Tokenizer(tmp_path)
+    cache = GrammarCache(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id])
+    token_ids = tokenizer.encode(_written("lfm2", 'get_weather(city="Paris")'))
+    assert set(tokenizer.hf.convert_tokens_to_ids(tags)) <= set(token_ids)
+    matcher = cache.matcher(GuidedSpec.tool_calls(TOOLS, tool_format="lfm2"))
+    assert all(matcher.accept_token(t) for t in token_ids) and matcher.accept_token(tokenizer.eos_token_id)
+
+
 def test_json_values_are_written_as_python_literals():
     assert python_literal({"a": [True, False, None, 1, 2.5, "x\"y"]}) == '{"a": [True, False, None, 1, 2.5, "x\\"y"]}'
     grammar = "\n".join([
