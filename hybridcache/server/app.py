@@ -408,10 +408,6 @@ class _Routes:
         parse_tools = bool(tools) and tool_choice != "none"
         calls_format = tool_format(self.config.tool_call_parser)
         if guided is not None and guided.kind is GuidedKind.TOOL_CALLS:  # a forced call, in the model's own format
-            if calls_format.forced is None:
-                raise APIError(400, f"tool_choice {json.dumps(tool_choice)} is not supported with --tool-call-parser "
-                               f"{self.config.tool_call_parser}: a forced call cannot be written in its format "
-                               "here; use tool_choice 'auto'", param="tool_choice")
             guided = replace(guided, tool_format=calls_format.forced)
         if guided is not None and split_reasoning and in_reasoning:  # as vLLM: the answer is constrained, not the
             guided = replace(guided, starts_after=reasoning.THINK_END)  # reasoning before it

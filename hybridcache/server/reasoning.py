@@ -62,7 +62,8 @@ class ReasoningParser(enum.Enum):
     (`nemotron_v3`, vLLM's; `nano_v3`, the name NVIDIA's recipes give their plugin), whose format is Qwen3's, Moonshot's
     Kimi (`kimi_k2`) and AllenAI's OLMo 3 Think (`olmo3`). vLLM's kimi_k2 parser also ends the reasoning at a
     `<|tool_calls_section_begin|>` written inside an unclosed think block, and so does `kimi_k2` here
-    (`call_sections`); Qwen's genuine `<tool_call>` ends it with every parser."""
+    (`call_sections`); Qwen's genuine `<tool_call>` ends it with every parser. NVIDIA's `<TOOLCALL>` ends it with
+    none: vLLM's nemotron_v3 and deepseek_r1 parsers end the reasoning only at `</think>`."""
 
     QWEN3 = "qwen3"
     DEEPSEEK_R1 = "deepseek_r1"

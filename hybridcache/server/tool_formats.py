@@ -39,10 +39,10 @@ KIMI_CALL_BEGIN, KIMI_ARGUMENTS_BEGIN, KIMI_CALL_END = (
 class ToolFormat:
     """What one `--tool-call-parser` reads: `blocks`, the (opening, closing) tags of its blocks; `bare_list`: the
     whole reply is one Python list of calls, no tags (vLLM's `pythonic`); `forced`: the `guided.TOOL_FORMATS` entry a
-    forced call is written in, None where it is refused; `inner_tags`: tags inside a block (Kimi's per call)."""
+    forced call is written in; `inner_tags`: tags inside a block (Kimi's per call)."""
 
     blocks: tuple[tuple[str, str], ...]
-    forced: str | None
+    forced: str
     bare_list: bool = False
     inner_tags: tuple[str, ...] = ()
 

@@ -36,7 +36,8 @@ ALLOWED: dict[str, set[str]] = {
     "schema_checks": set(),  # which JSON schemas xgrammar would read without enforcing
     "guided_kimi": set(),  # Kimi's tool-call section as grammar rules, for both of guided's backends
     "guided_llguidance": {"guided_kimi"},  # guided's fallback compiler (llguidance)
-    "guided": {"guided_kimi", "guided_llguidance", "schema_checks"},
+    "guided_python": set(),  # the Python-call tool formats (lfm2, olmo3, pythonic) as grammar rules
+    "guided": {"guided_kimi", "guided_llguidance", "guided_python", "schema_checks"},
     "sampling": {"config", "guided"},  # is_integer; a request's constraint is checked to be a GuidedSpec
     "multimodal": set(),
     "state_spec": set(),

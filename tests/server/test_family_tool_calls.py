@@ -187,8 +187,9 @@ def test_a_forced_python_call_is_refused_where_its_grammar_cannot_hold_the_schem
             body = {"model": MODEL, "messages": MESSAGES, "tools": tools, "max_tokens": 20, "tool_choice": "required"}
             response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
             assert response.status_code == 400, response.text
-            message = response.json()["error"]["message"]
-            assert problem in message and "Python" in message, message
+            error = response.json()["error"]
+            assert problem in error["message"] and "Python" in error["message"], error
+            assert error["param"] == "tool_choice", error
         auto = {"model": MODEL, "messages": MESSAGES, "tools": [step], "max_tokens": 5, "tool_choice": "auto"}
         assert httpx.post(f"{base_url}/v1/chat/completions", json=auto, timeout=120).status_code == 200
 
