@@ -144,12 +144,11 @@ def python_literal(value: Any) -> str:
 def _python_term(term: str) -> str:
     """One string literal of a JSON grammar, its text rewritten as Python: a whole JSON value (`true`, an enum's
     `[1,true]`) as `python_literal` writes it; a piece of one (`"{"`, `": "`, a key) as it is."""
-    text = json.loads(term)
     try:
-        value = json.loads(text)
-    except ValueError:
-        value = text = None
-    if text is not None and (isinstance(value, bool) or not isinstance(value, (str, int, float))):
+        value = json.loads(json.loads(term))
+    except ValueError:  # (a piece, or an escape JSON does not have)
+        return term
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         return _quoted(python_literal(value))
     return term
 
@@ -158,12 +157,16 @@ def python_values(grammar: str) -> str:
     """The text of an xgrammar JSON grammar made the grammar of the same values written as Python literals (module
     docstring). A RuntimeError where the text holds a JSON constant this does not know how to rewrite (an xgrammar
     that writes its grammars otherwise)."""
+
     def term(match: re.Match[str]) -> str:
         token = match.group(0)
         if not token.startswith('"'):  # (a character class, a regex)
             return token
         token = _python_term(token)
-        text = json.loads(token)
+        try:
+            text = json.loads(token)
+        except ValueError:
+            return token
         if not text.startswith('"') and _LEFT_NAME.search(text):
             raise RuntimeError(f"cannot write the JSON grammar term {token} as Python")
         return token
