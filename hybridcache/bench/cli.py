@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hybridcache.arg_types import (
     gib_or_multiple,
@@ -21,6 +22,11 @@ from hybridcache.config import CACHE_MODES, DTYPES, SSM_DTYPE_FLAG
 from hybridcache.engine_args import AUTO, HelpFormatter
 from hybridcache.extras import require_extra
 from hybridcache.model_path import resolve_model
+
+if TYPE_CHECKING:
+    from hybridcache.bench.simulator import SimConfig
+    from hybridcache.bench.workloads import Workload
+    from hybridcache.engine.cost_model import ModelCost
 
 SWEEP_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0)
 _MODEL_FORMS = ("a model folder, a Hugging Face snapshot folder, or a hub id (from the local Hugging Face cache, "
@@ -178,9 +184,7 @@ def check_out_files(**paths: str | None) -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from hybridcache.bench.simulator import GIB, SimConfig, SimResult, parse_policies, simulate_many
-    from hybridcache.bench.workloads import load_workload
-    from hybridcache.engine.cost_model import load_model_cost
+    from hybridcache.bench.simulator import GIB, SimResult, parse_policies, simulate_many
 
     if args.replicas is not None:
         return cmd_simulate_routing(args)
@@ -189,10 +193,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.plot:
         require_extra("bench", "hybridcache simulate --plot")
     specs = parse_policies(args.policies, args.block_size)
-    model_dir = resolve_model(args.model, weights=False).path if args.model is not None else None
-    cost = load_model_cost(model_dir, args.mamba_ssm_cache_dtype)
-    workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
-                             model_dir=model_dir)
+    workload, cost = simulated_workload(args)
     json_path, plot_path = fresh_paths(args.json, args.plot)
     budget = int(args.memory_gib * GIB)
     memories = [budget]
@@ -201,15 +202,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         points = [args.memory_gib * f for f in factors]
         memories = sorted({int(g * GIB) for g in points} | {budget})
 
-    bandwidth = float("inf") if args.host_bandwidth_gbs is None else args.host_bandwidth_gbs * 1e9
-
-    def config(memory: int) -> SimConfig:
-        return SimConfig(memory, args.block_size, args.chunk_budget, args.kv_tokens_per_slot,
-                         host_memory_bytes=host_memory_bytes(args.host_memory_gib, memory),
-                         host_bandwidth=bandwidth, device_flops=args.device_tflops * 1e12)
-
     # none and oracle do not depend on memory: run them once.
-    jobs = [(s, config(m)) for m in memories for s in specs if s.mode not in ("none", "oracle") or m == budget]
+    jobs = [(s, sim_config(args, m)) for m in memories for s in specs
+            if s.mode not in ("none", "oracle") or m == budget]
     bar = tqdm(total=len(jobs) * len(workload), desc=f"simulate {workload.name}", unit="req",
                disable=args.no_progress, file=sys.stderr, mininterval=1.0)
     results = simulate_many(workload, jobs, cost, min(num_jobs, len(jobs)), bar.update)
@@ -243,6 +238,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def simulated_workload(args: argparse.Namespace) -> tuple[Workload, ModelCost]:
+    """`simulate`'s workload and the cost model of its `--model` (None: the built-in model), as the flags say."""
+    from hybridcache.bench.workloads import load_workload
+    from hybridcache.engine.cost_model import load_model_cost
+
+    model_dir = resolve_model(args.model, weights=False).path if args.model is not None else None
+    cost = load_model_cost(model_dir, args.mamba_ssm_cache_dtype)
+    workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
+                             model_dir=model_dir)
+    return workload, cost
+
+
+def sim_config(args: argparse.Namespace, memory_bytes: int) -> SimConfig:
+    """One simulated cache of `memory_bytes` with `simulate`'s block size, chunk budget, host tier and rates."""
+    from hybridcache.bench.simulator import SimConfig
+
+    bandwidth = float("inf") if args.host_bandwidth_gbs is None else args.host_bandwidth_gbs * 1e9
+    return SimConfig(memory_bytes, args.block_size, args.chunk_budget, args.kv_tokens_per_slot,
+                     host_memory_bytes=host_memory_bytes(args.host_memory_gib, memory_bytes),
+                     host_bandwidth=bandwidth, device_flops=args.device_tflops * 1e12)
+
+
 def host_memory_bytes(text: str, memory_bytes: int) -> int:
     """`--host-memory-gib`: GiB (`"64"`), or a multiple of the cache memory (`"4x"`)."""
     from hybridcache.bench.simulator import GIB
@@ -261,9 +278,7 @@ def cmd_simulate_routing(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from hybridcache.bench.routing import format_routing_table, simulate_routing
-    from hybridcache.bench.simulator import GIB, SimConfig
-    from hybridcache.bench.workloads import load_workload
-    from hybridcache.engine.cost_model import load_model_cost
+    from hybridcache.bench.simulator import GIB
 
     refused = [flag for flag, value in (("--plot", args.plot), ("--sweep", args.sweep), ("--jobs", args.jobs))
                if value is not None]
@@ -271,16 +286,9 @@ def cmd_simulate_routing(args: argparse.Namespace) -> int:
         raise ValueError(f"{', '.join(refused)}: not with --replicas (routing runs one process, at --memory-gib)")
     check_out_files(json=args.json)
     policies = [p.strip() for p in args.routing.split(",") if p.strip()]
-    model_dir = resolve_model(args.model, weights=False).path if args.model is not None else None
-    cost = load_model_cost(model_dir, args.mamba_ssm_cache_dtype)
-    workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
-                             model_dir=model_dir)
+    workload, cost = simulated_workload(args)
     (json_path,) = fresh_paths(args.json)
-    memory = int(args.memory_gib * GIB)
-    bandwidth = float("inf") if args.host_bandwidth_gbs is None else args.host_bandwidth_gbs * 1e9
-    config = SimConfig(memory, args.block_size, args.chunk_budget, args.kv_tokens_per_slot,
-                       host_memory_bytes=host_memory_bytes(args.host_memory_gib, memory), host_bandwidth=bandwidth,
-                       device_flops=args.device_tflops * 1e12)
+    config = sim_config(args, int(args.memory_gib * GIB))
     bar = tqdm(total=len(workload), desc=f"route {workload.name}", unit="req", disable=args.no_progress,
                file=sys.stderr, mininterval=1.0)
     results = simulate_routing(workload, policies, args.replicas, cost, config, on_request=lambda _: bar.update())

@@ -318,6 +318,36 @@ class KernelBackend(Protocol):
         ...
 
 
+class SharedOps:
+    """The ops `ReferenceBackend` and `CudaBackend` run alike: `write_kv` and `attention` by their
+    `attention_backend` (with what its `prepare` returned: the step metadata's `attention`), and `conv_gated_delta`
+    as its three ops (`causal_conv1d`, `split_qkv`, `gated_delta`; one launch for the three was measured slower on
+    CUDA in the engine's step: docs/bench.md, session 44, dec17a). A subclass sets `attention_backend` and
+    `step_metadata`, its metadata of a prepared batch (a ValueError for one its `prepare` did not make)."""
+
+    attention_backend: AttentionBackend
+    step_metadata: Callable[[ForwardBatch], Any]
+
+    def write_kv(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch) -> None:
+        self.attention_backend.write_kv(kv_layer, key, value, batch)
+
+    def attention(
+        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
+    ) -> torch.Tensor:
+        return self.attention_backend.attention(query, kv_layer, batch, self.step_metadata(batch).attention,
+                                                scale=scale, kv_scales=kv_scales)
+
+    def conv_gated_delta(
+        self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+        conv_layer: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,  # noqa: N803
+        dt_bias: torch.Tensor, ssm_layer: torch.Tensor, batch: ForwardBatch, *, num_k_heads: int,
+    ) -> torch.Tensor:
+        conv_out = self.causal_conv1d(mixed_qkv, conv_weight, conv_bias, conv_layer, batch)
+        q, k, v = delta_ref.split_qkv(conv_out, num_k_heads, ssm_layer.shape[2], ssm_layer.shape[3])
+        return self.gated_delta(q, k, v, a, b, A_log, dt_bias, ssm_layer, batch)
+
+
 @dataclass(frozen=True)
 class DecodeRows:
     """Sequences of a step that feed one token each, processed together by the reference ops.
@@ -348,7 +378,13 @@ class ReferenceMetadata:
     attention: Any = None
 
 
-class ReferenceBackend:
+def _metadata(batch: ForwardBatch) -> ReferenceMetadata:
+    if not isinstance(batch.metadata, ReferenceMetadata):
+        raise ValueError("the batch was not prepared by ReferenceBackend.prepare")
+    return batch.metadata
+
+
+class ReferenceBackend(SharedOps):
     """The torch reference kernels behind the `KernelBackend` ops (any device; the CPU ground truth).
 
     Recurrent ops: sequences decoding one token from a saved state go through the batched step kernels
@@ -394,16 +430,6 @@ class ReferenceBackend:
             attention=self.attention_backend.prepare(batch),
         )
         return dataclasses.replace(batch, metadata=metadata)
-
-    def write_kv(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch) -> None:
-        self.attention_backend.write_kv(kv_layer, key, value, batch)
-
-    def attention(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
-        kv_scales: tuple[float, float] = (1.0, 1.0),
-    ) -> torch.Tensor:
-        return self.attention_backend.attention(query, kv_layer, batch, _metadata(batch).attention, scale=scale,
-                                                kv_scales=kv_scales)
 
     def causal_conv1d(
         self,
@@ -517,15 +543,7 @@ class ReferenceBackend:
         g, beta = self.delta_gates(a, b, A_log, dt_bias)
         return self.gated_delta_rule(q, k, v, g, beta, ssm_layer, batch)
 
-    def conv_gated_delta(
-        self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
-        conv_layer: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,  # noqa: N803
-        dt_bias: torch.Tensor, ssm_layer: torch.Tensor, batch: ForwardBatch, *, num_k_heads: int,
-    ) -> torch.Tensor:
-        conv_out = self.causal_conv1d(mixed_qkv, conv_weight, conv_bias, conv_layer, batch)
-        q, k, v = delta_ref.split_qkv(conv_out, num_k_heads, ssm_layer.shape[2], ssm_layer.shape[3])
-        return self.gated_delta(q, k, v, a, b, A_log, dt_bias, ssm_layer, batch)
-
+    step_metadata = staticmethod(_metadata)
     # Element-wise and per-row ops need no step metadata: the kernel functions themselves.
     delta_gates = staticmethod(delta_ref.delta_gates)
     route = staticmethod(moe_ref.route)
@@ -555,12 +573,6 @@ class _DenseWeights(Sequence[torch.Tensor]):
         linear = self.linears[index]
         dequantized = getattr(linear, "dequantized", None)
         return linear.weight if dequantized is None else dequantized(self.dtype)
-
-
-def _metadata(batch: ForwardBatch) -> ReferenceMetadata:
-    if not isinstance(batch.metadata, ReferenceMetadata):
-        raise ValueError("the batch was not prepared by ReferenceBackend.prepare")
-    return batch.metadata
 
 
 def _sequence_rows(batch: ForwardBatch, meta: ReferenceMetadata) -> list[tuple[int, slice]]:

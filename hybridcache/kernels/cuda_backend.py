@@ -56,7 +56,7 @@ from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels import streams
 from hybridcache.kernels.activation import triton as triton_activation
 from hybridcache.kernels.attention.base import AttentionBackend
-from hybridcache.kernels.backend import mamba1_scan, mamba2_scan, per_channel_delta_scan
+from hybridcache.kernels.backend import SharedOps, mamba1_scan, mamba2_scan, per_channel_delta_scan
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
 from hybridcache.kernels.conv.triton_verify import conv_draft_states
 from hybridcache.kernels.gated_delta import fla as delta_fla
@@ -68,7 +68,6 @@ from hybridcache.kernels.gated_delta.fla import (
     leading_decodes,
     mixed_gated_delta_rule,
 )
-from hybridcache.kernels.gated_delta.reference import split_qkv
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
 from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts, shared_fits
@@ -151,7 +150,13 @@ class CudaMetadata:
     lead: LeadingDecodes | None = None
 
 
-class CudaBackend:
+def _metadata(batch: ForwardBatch) -> CudaMetadata:
+    if not isinstance(batch.metadata, CudaMetadata):
+        raise ValueError("the batch was not prepared by CudaBackend.prepare")
+    return batch.metadata
+
+
+class CudaBackend(SharedOps):
     """`KernelBackend` on CUDA (see the module docstring). Holds, per sparse MoE block, its experts' weights
     stacked for the grouped GEMM (the experts' parameters are re-pointed at the stack: one copy in memory)."""
 
@@ -212,16 +217,6 @@ class CudaBackend:
             lead=lead,
         )
         return dataclasses.replace(batch, metadata=metadata)
-
-    def write_kv(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch) -> None:
-        self.attention_backend.write_kv(kv_layer, key, value, batch)
-
-    def attention(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
-        kv_scales: tuple[float, float] = (1.0, 1.0),
-    ) -> torch.Tensor:
-        return self.attention_backend.attention(query, kv_layer, batch, _metadata(batch).attention, scale=scale,
-                                                kv_scales=kv_scales)
 
     def causal_conv1d(
         self,
@@ -304,18 +299,6 @@ class CudaBackend:
             return mixed_gated_delta_rule(q, k, v, g, beta, ssm_layer, batch.state_slots, batch.context_lens,
                                           meta.lead, raw_gates=(a, b, A_log, dt_bias))
         return self.gated_delta_rule(q, k, v, g, beta, ssm_layer, batch)
-
-    def conv_gated_delta(
-        self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
-        conv_layer: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,  # noqa: N803
-        dt_bias: torch.Tensor, ssm_layer: torch.Tensor, batch: ForwardBatch, *, num_k_heads: int,
-    ) -> torch.Tensor:
-        """`causal_conv1d`, then `gated_delta` (all-decode: the conv step kernel, then the step kernel making the
-        gates). One launch for the three was measured slower in the engine's step (docs/bench.md, session 44,
-        dec17a)."""
-        conv_out = self.causal_conv1d(mixed_qkv, conv_weight, conv_bias, conv_layer, batch)
-        q, k, v = split_qkv(conv_out, num_k_heads, ssm_layer.shape[2], ssm_layer.shape[3])
-        return self.gated_delta(q, k, v, a, b, A_log, dt_bias, ssm_layer, batch)
 
     def ssd_scan(
         self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,  # noqa: N803
@@ -415,6 +398,7 @@ class CudaBackend:
                                                                                      joined(shared[1]))
         return grouped_experts(x, top_weights, top_ids, stacked, shared)
 
+    step_metadata = staticmethod(_metadata)
     # Element-wise and per-row ops need no step metadata: the kernel functions themselves.
     delta_gates = staticmethod(triton_gates.delta_gates)
     route = staticmethod(triton_route.route)
@@ -428,9 +412,3 @@ class CudaBackend:
     sigmoid_mul = staticmethod(triton_activation.sigmoid_mul)
     rotary = staticmethod(triton_rotary.rotary)
     norm_rotary = staticmethod(triton_rotary.norm_rotary)
-
-
-def _metadata(batch: ForwardBatch) -> CudaMetadata:
-    if not isinstance(batch.metadata, CudaMetadata):
-        raise ValueError("the batch was not prepared by CudaBackend.prepare")
-    return batch.metadata

@@ -173,8 +173,9 @@ def test_interpreted_mixer_on_the_cuda_backend_equals_transformers(triton_on_cpu
     """Jamba's Mamba1 mixer with every op on `CudaBackend` (the Triton conv and scan, interpreted) against
     transformers' JambaMambaMixer: a varlen prefill (150 tokens, a 1-token prompt, 70), an all-decode step, then a
     mixed step (a decode row before a prefill chunk)."""
+    from tests.kernels.mixer_checks import TOLERANCE, hf_out, inputs, rel_err
     from tests.kernels.mixer_runner import MixerRunner
-    from tests.kernels.test_mamba1_mixer import GEOMETRIES, TOLERANCE, hf_layer, hf_out, inputs, our_mixer, rel_err
+    from tests.kernels.test_mamba1_mixer import GEOMETRIES, hf_layer, our_mixer
 
     config, layer = hf_layer(*GEOMETRIES["E2-N16-R6-K4"])
     runner = MixerRunner(our_mixer(config, layer), 3, backend=triton_on_cpu)

@@ -20,19 +20,23 @@ from hybridcache.kernels.mamba1 import reference as ref
 from hybridcache.kernels.mamba2.reference import discretized_dt
 from hybridcache.layers.mamba1 import Mamba1Mixer
 from hybridcache.models.random_weights import randomize_
+from tests.kernels.mixer_checks import (
+    HIDDEN,
+    TOLERANCE,
+    check_a_lost_ssm_state_is_noticed,
+    check_decode_steps,
+    check_prefill_from_a_saved_state,
+    check_varlen_step,
+    inputs,
+    rel_err,
+)
 from tests.kernels.mixer_runner import MixerRunner
 
-TOLERANCE = 1e-4
-HIDDEN = 48
 GEOMETRIES = {  # mamba_expand, d_state, dt_rank, d_conv, conv bias, in/out_proj bias
     "E2-N16-R6-K4": (2, 16, 6, 4, True, False),
     "E1-N8-R3-K3-biases": (1, 8, 3, 3, False, True),
 }
 NO_LIMIT = (0.0, float("inf"))
-
-
-def rel_err(ours: torch.Tensor, want: torch.Tensor) -> float:
-    return ((ours.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
 def hf_layer(expand: int, state: int, rank: int, kernel: int, conv_bias: bool, proj_bias: bool, seed: int = 0):
@@ -67,15 +71,6 @@ def pair(request):
     return layer, our_mixer(config, layer)
 
 
-@torch.no_grad()
-def hf_out(layer, hidden: torch.Tensor) -> torch.Tensor:
-    return layer(hidden[None])[0]
-
-
-def inputs(length: int, seed: int) -> torch.Tensor:
-    return torch.randn(length, HIDDEN, generator=torch.Generator().manual_seed(seed))
-
-
 def test_state_spec_declares_conv_and_ssm_in_transformers_layout():
     config, layer = hf_layer(*GEOMETRIES["E2-N16-R6-K4"])
     spec = our_mixer(config, layer).state_spec(torch.bfloat16, torch.float32)
@@ -86,37 +81,15 @@ def test_state_spec_declares_conv_and_ssm_in_transformers_layout():
 
 
 def test_varlen_step_of_several_sequences_equals_transformers(pair):
-    layer, mixer = pair
-    lengths = (157, 1, 64, 90)  # a single-token prompt, a block of 64, one longer than the scan's token block
-    hidden = [inputs(n, seed=i) for i, n in enumerate(lengths)]
-    outputs = MixerRunner(mixer, len(lengths)).step(list(enumerate(hidden)))
-    for i, (ours, x) in enumerate(zip(outputs, hidden, strict=True)):
-        assert rel_err(ours, hf_out(layer, x)) <= TOLERANCE, f"sequence {i}"
+    check_varlen_step(*pair, (157, 1, 64, 90))  # a single-token prompt, a block of 64, longer than the scan's block
 
 
 def test_prefill_from_a_saved_state_equals_the_whole_prefill(pair):
-    layer, mixer = pair
-    x = inputs(170, seed=3)
-    want = hf_out(layer, x)
-    runner = MixerRunner(mixer, 2)
-    first, _ = runner.step([(0, x[:77]), (1, inputs(20, seed=4))])
-    (second,) = runner.step([(0, x[77:])])
-    assert rel_err(first, want[:77]) <= TOLERANCE
-    assert rel_err(second, want[77:]) <= TOLERANCE
+    check_prefill_from_a_saved_state(*pair)
 
 
 def test_decode_steps_equal_the_whole_prefill(pair):
-    layer, mixer = pair
-    x, other = inputs(160, seed=5), inputs(160, seed=6)
-    want, want_other = hf_out(layer, x), hf_out(layer, other)
-    runner = MixerRunner(mixer, 2)
-    runner.step([(0, x[:150]), (1, other[:150])])
-    for pos in range(150, 158):  # two decode rows batched through the step kernel
-        ours, ours_other = runner.step([(0, x[pos : pos + 1]), (1, other[pos : pos + 1])])
-        assert rel_err(ours, want[pos : pos + 1]) <= TOLERANCE, pos
-        assert rel_err(ours_other, want_other[pos : pos + 1]) <= TOLERANCE, pos
-    ours, ours_other = runner.step([(0, x[158:]), (1, other[158:])])  # 2-token chunks, continuing
-    assert rel_err(ours, want[158:]) <= TOLERANCE and rel_err(ours_other, want_other[158:]) <= TOLERANCE
+    check_decode_steps(*pair)
 
 
 def test_decode_equals_transformers_incremental_forward(pair):
@@ -137,16 +110,7 @@ def test_decode_equals_transformers_incremental_forward(pair):
 
 
 def test_the_comparison_notices_a_lost_state(pair):
-    """Sanity check of the set-up: wiping the recurrent state between two chunks moves the output far past the
-    tolerance, so a broken state could not pass the tests above."""
-    layer, mixer = pair
-    x = inputs(150, seed=8)
-    want = hf_out(layer, x)
-    runner = MixerRunner(mixer, 1)
-    runner.step([(0, x[:100])])
-    runner.pools.layers[0]["ssm"].zero_()
-    (ours,) = runner.step([(0, x[100:])])
-    assert rel_err(ours, want[100:]) > 100 * TOLERANCE
+    check_a_lost_ssm_state_is_noticed(*pair)
 
 
 def scan_inputs(length: int, channels: int = 12, state: int = 7, seed: int = 0) -> dict:

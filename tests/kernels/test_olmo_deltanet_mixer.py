@@ -22,12 +22,10 @@ from hybridcache.layers.gated_deltanet import SeparateGatedDeltaNet
 from hybridcache.models.random_weights import randomize_
 
 from .interpreter import interpreted_in_child, needs_interpreter
+from .mixer_checks import HIDDEN, TOLERANCE, check_varlen_step, hf_out, inputs, rel_err
 from .mixer_runner import MixerRunner
 from .test_cuda_kernels import _interpreter_runs_our_kernels
-from .test_mamba2_mixer import rel_err
 
-TOLERANCE = 1e-4
-HIDDEN = 48
 GEOMETRIES = {  # key heads, value heads, key head dim, value head dim, conv kernel
     "Hk2-Hv4-Dk16-Dv8-K4": (2, 4, 16, 8, 4),
     "Hk3-Hv3-Dk12-Dv24-K3": (3, 3, 12, 24, 3),  # OLMo's own shape: value head dim 2 x key head dim, not powers of 2
@@ -61,22 +59,8 @@ def pair(request):
     return hf_layer(*GEOMETRIES[geometry], neg_eigval)
 
 
-@torch.no_grad()
-def hf_out(layer, hidden: torch.Tensor) -> torch.Tensor:
-    return layer(hidden[None])[0]
-
-
-def inputs(length: int, seed: int) -> torch.Tensor:
-    return torch.randn(length, HIDDEN, generator=torch.Generator().manual_seed(seed))
-
-
 def test_varlen_step_of_several_sequences_equals_transformers(pair):
-    layer, mixer = pair
-    lengths = (157, 1, 64, 90)
-    hidden = [inputs(n, seed=i) for i, n in enumerate(lengths)]
-    outputs = MixerRunner(mixer, len(lengths)).step(list(enumerate(hidden)))
-    for i, (ours, x) in enumerate(zip(outputs, hidden, strict=True)):
-        assert rel_err(ours, hf_out(layer, x)) <= TOLERANCE, f"sequence {i}"
+    check_varlen_step(*pair, (157, 1, 64, 90))
 
 
 def test_prefill_from_a_saved_state_and_decode_steps_equal_the_whole_prefill(pair):

@@ -14,11 +14,9 @@ import torch
 from hybridcache.layers.short_conv import ShortConv
 from hybridcache.models.random_weights import randomize_
 
+from .mixer_checks import HIDDEN, TOLERANCE, check_varlen_step, hf_out, inputs, rel_err
 from .mixer_runner import MixerRunner
-from .test_mamba2_mixer import rel_err
 
-TOLERANCE = 1e-4
-HIDDEN = 48
 GEOMETRIES = {"K3-bias": (3, True), "K4-nobias": (4, False)}  # taps (conv_L_cache), conv_bias
 
 
@@ -41,22 +39,8 @@ def pair(request):
     return hf_layer(*GEOMETRIES[request.param])
 
 
-@torch.no_grad()
-def hf_out(layer, hidden: torch.Tensor) -> torch.Tensor:
-    return layer(hidden[None])[0]
-
-
-def inputs(length: int, seed: int) -> torch.Tensor:
-    return torch.randn(length, HIDDEN, generator=torch.Generator().manual_seed(seed))
-
-
 def test_varlen_step_of_several_sequences_equals_transformers(pair):
-    layer, mixer = pair
-    lengths = (157, 1, 2, 90)  # (a 2-token prompt: shorter than the conv's window)
-    hidden = [inputs(n, seed=i) for i, n in enumerate(lengths)]
-    outputs = MixerRunner(mixer, len(lengths)).step(list(enumerate(hidden)))
-    for i, (ours, x) in enumerate(zip(outputs, hidden, strict=True)):
-        assert rel_err(ours, hf_out(layer, x)) <= TOLERANCE, f"sequence {i}"
+    check_varlen_step(*pair, (157, 1, 2, 90))  # (a 2-token prompt: shorter than the conv's window)
 
 
 def test_prefill_from_a_saved_state_and_decode_steps_equal_the_whole_prefill(pair):

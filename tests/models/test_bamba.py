@@ -92,10 +92,10 @@ def test_defaults_are_transformers_defaults():
     num_attention_heads, as transformers reads it."""
     import transformers
 
-    from hybridcache.models.config.defaults import _DEFAULTS
+    from hybridcache.models.config.defaults import DEFAULTS
 
     hf = transformers.BambaConfig()
-    for key, value in _DEFAULTS["bamba"].items():
+    for key, value in DEFAULTS["bamba"].items():
         if key in ("rope_theta", "partial_rotary_factor"):
             assert value == hf.rope_parameters[key], key
             continue

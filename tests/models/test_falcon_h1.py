@@ -141,10 +141,10 @@ def test_defaults_are_transformers_defaults():
     mamba_expand * hidden_size, num_key_value_heads written null num_attention_heads, as transformers reads them."""
     import transformers
 
-    from hybridcache.models.config.defaults import _DEFAULTS
+    from hybridcache.models.config.defaults import DEFAULTS
 
     hf = transformers.FalconH1Config()
-    for key, value in _DEFAULTS["falcon_h1"].items():
+    for key, value in DEFAULTS["falcon_h1"].items():
         if key in ("rope_theta", "partial_rotary_factor"):
             assert value == hf.rope_parameters.get(key, 1.0), key
             continue

@@ -117,15 +117,15 @@ def test_defaults_are_transformers_defaults():
     """The fields config.json may leave out take `GraniteMoeHybridConfig`'s defaults."""
     import transformers
 
-    from hybridcache.models.config.defaults import _DEFAULTS
+    from hybridcache.models.config.defaults import DEFAULTS
 
     hf = transformers.GraniteMoeHybridConfig()
-    for key, value in _DEFAULTS["granitemoehybrid"].items():
+    for key, value in DEFAULTS["granitemoehybrid"].items():
         if key in ("rope_theta", "partial_rotary_factor"):
             continue  # (in rope_parameters: checked below)
         want = "auto" if key == "mamba_d_head" else getattr(hf, key)  # (hf resolves "auto" when built)
         assert value == want, key
-    assert _DEFAULTS["granitemoehybrid"]["rope_theta"] == hf.rope_parameters["rope_theta"]
+    assert DEFAULTS["granitemoehybrid"]["rope_theta"] == hf.rope_parameters["rope_theta"]
     minimal = {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
                "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                "mamba_n_heads": 8}

@@ -102,10 +102,10 @@ def test_defaults_are_transformers_defaults():
     """The fields config.json may leave out take `JambaConfig`'s defaults."""
     import transformers
 
-    from hybridcache.models.config.defaults import _DEFAULTS
+    from hybridcache.models.config.defaults import DEFAULTS
 
     hf = transformers.JambaConfig()
-    for key, value in _DEFAULTS["jamba"].items():
+    for key, value in DEFAULTS["jamba"].items():
         if key not in ("rope_theta", "partial_rotary_factor", "mamba_dt_rank"):  # (no RoPE; dt rank resolved)
             assert value == getattr(hf, key), key
     minimal = {"architectures": ["JambaForCausalLM"], "model_type": "jamba", "vocab_size": 256, "hidden_size": 64,
@@ -135,7 +135,7 @@ def test_config_refuses_what_it_cannot_run(field, value, message):
         ModelConfig.from_dict(raw)
 
 
-# the fields read for Jamba that JambaConfig requires a value of (`config.jamba._JAMBA_NOT_NULL`)
+# the fields read for Jamba that JambaConfig requires a value of (`config.jamba.JAMBA_NOT_NULL`)
 NOT_NULL = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
     "hidden_act", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "num_experts", "num_local_experts",
@@ -162,19 +162,19 @@ def test_config_refuses_the_nulls_jambaconfig_refuses(field):
 
 
 def test_every_default_jambaconfig_requires_is_refused_when_null():
-    """Each JambaConfig field with a default here (`_DEFAULTS["jamba"]`) whose type excludes None is refused null
-    (`_JAMBA_NOT_NULL`, the fields tested above); a null head_dim (no JambaConfig field) still means hidden_size /
+    """Each JambaConfig field with a default here (`DEFAULTS["jamba"]`) whose type excludes None is refused null
+    (`JAMBA_NOT_NULL`, the fields tested above); a null head_dim (no JambaConfig field) still means hidden_size /
     num_attention_heads."""
     import dataclasses
 
     import transformers
 
-    from hybridcache.models.config.defaults import _DEFAULTS
-    from hybridcache.models.config.jamba import _JAMBA_NOT_NULL
+    from hybridcache.models.config.defaults import DEFAULTS
+    from hybridcache.models.config.jamba import JAMBA_NOT_NULL
 
-    assert _JAMBA_NOT_NULL == NOT_NULL
+    assert JAMBA_NOT_NULL == NOT_NULL
     required = {f.name for f in dataclasses.fields(transformers.JambaConfig) if "None" not in str(f.type)}
-    assert required & set(_DEFAULTS["jamba"]) <= set(NOT_NULL)
+    assert required & set(DEFAULTS["jamba"]) <= set(NOT_NULL)
     assert set(NOT_NULL) - {"num_local_experts"} <= required
     assert ModelConfig.from_dict({**jamba_config("moe").to_dict(), "head_dim": None}).attention.head_dim == 16
 

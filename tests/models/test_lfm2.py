@@ -104,14 +104,14 @@ def test_defaults_are_transformers_defaults():
     """The fields config.json may leave out take `Lfm2Config`'s defaults."""
     import transformers
 
-    from hybridcache.models.config.defaults import _DEFAULTS
+    from hybridcache.models.config.defaults import DEFAULTS
 
     hf = transformers.Lfm2Config()
-    for key, value in _DEFAULTS["lfm2"].items():
+    for key, value in DEFAULTS["lfm2"].items():
         if key in ("rope_theta", "partial_rotary_factor"):
             continue  # (in rope_parameters: below)
         assert value == getattr(hf, "norm_eps" if key == "rms_norm_eps" else key), key
-    assert _DEFAULTS["lfm2"]["rope_theta"] == hf.rope_parameters["rope_theta"]
+    assert DEFAULTS["lfm2"]["rope_theta"] == hf.rope_parameters["rope_theta"]
     minimal = {"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "vocab_size": 256, "hidden_size": 64,
                "num_hidden_layers": 2, "num_attention_heads": 16}  # (num_key_value_heads 8 by default)
     config = ModelConfig.from_dict(minimal)
@@ -153,13 +153,13 @@ def test_moe_defaults_are_transformers_defaults():
     block_ff_dim alias (Lfm2MoeMLP is intermediate_size wide)."""
     import transformers
 
-    from hybridcache.models.config.defaults import _DEFAULTS
+    from hybridcache.models.config.defaults import DEFAULTS
 
     hf = transformers.Lfm2MoeConfig()
-    for key, value in _DEFAULTS["lfm2_moe"].items():
+    for key, value in DEFAULTS["lfm2_moe"].items():
         if key not in ("rope_theta", "partial_rotary_factor"):
             assert value == getattr(hf, "norm_eps" if key == "rms_norm_eps" else key), key
-    assert _DEFAULTS["lfm2_moe"]["rope_theta"] == hf.rope_parameters["rope_theta"]
+    assert DEFAULTS["lfm2_moe"]["rope_theta"] == hf.rope_parameters["rope_theta"]
     minimal = {"architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe", "vocab_size": 256,
                "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 16, "layer_types": ["conv"] * 3,
                "block_ff_dim": 99}

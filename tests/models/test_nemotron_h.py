@@ -142,10 +142,10 @@ def test_defaults_are_transformers_defaults():
     """The fields config.json may leave out take `NemotronHConfig`'s defaults."""
     import transformers
 
-    from hybridcache.models.config.defaults import _DEFAULTS
+    from hybridcache.models.config.defaults import DEFAULTS
 
     hf = transformers.NemotronHConfig()
-    for key, value in _DEFAULTS["nemotron_h"].items():
+    for key, value in DEFAULTS["nemotron_h"].items():
         if key not in ("rope_theta", "partial_rotary_factor"):  # (no rotary embedding: unused)
             assert value == getattr(hf, key), key
     minimal = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 256,

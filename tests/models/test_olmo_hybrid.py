@@ -71,13 +71,13 @@ def test_defaults_are_transformers_defaults():
     """The fields config.json may leave out take `OlmoHybridConfig`'s defaults, the derived ones included."""
     import transformers
 
-    from hybridcache.models.config.defaults import _DEFAULTS
+    from hybridcache.models.config.defaults import DEFAULTS
 
     hf = transformers.OlmoHybridConfig()
-    for key, value in _DEFAULTS["olmo_hybrid"].items():
+    for key, value in DEFAULTS["olmo_hybrid"].items():
         if key not in ("rope_theta", "partial_rotary_factor"):  # (in rope_parameters: below)
             assert value == getattr(hf, key), key
-    assert _DEFAULTS["olmo_hybrid"]["rope_theta"] == hf.rope_parameters["rope_theta"]
+    assert DEFAULTS["olmo_hybrid"]["rope_theta"] == hf.rope_parameters["rope_theta"]
     minimal = {"architectures": ["OlmoHybridForCausalLM"], "model_type": "olmo_hybrid", "vocab_size": 256,
                "hidden_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4}
     hf = transformers.OlmoHybridConfig(**minimal)

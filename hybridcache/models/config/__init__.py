@@ -7,7 +7,7 @@ This package imports no torch: the cache simulator sizes caches from it. Its mod
   `Mamba1Config`, `ShortConvConfig`, `Multipliers`, `GroupedRouting`, `FeedForwardConfig`);
 - `model`: `ModelConfig` (`from_dict`, `from_model_dir`, the layer ids derived from the layer kinds);
 - `parse`: the layouts of config.json accepted and the dispatch by text model type (Qwen3.5 / Qwen3-Next read there);
-- `fields`: readers of config.json values (`read_json_object`, `token_ids`, `boolean`, `_Fields`);
+- `fields`: readers of config.json values (`read_json_object`, `token_ids`, `boolean`, `Fields`);
 - `defaults`: transformers' defaults of each model type; `rope`: the attention group and its rotary settings;
 - `common`: the group readers more than one family uses (gated DeltaNet, Granite's Mamba2 fields, the MLPs);
 - one module a family, its docstring saying what it reads and refuses: `granite` (Granite-4.0-H), `nemotron_h`,
@@ -16,7 +16,7 @@ This package imports no torch: the cache simulator sizes caches from it. Its mod
 A field config.json leaves out (or sets to null) takes the default of transformers' configuration class of the
 model type (`Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`, `Qwen3NextConfig`, `GraniteMoeHybridConfig`,
 `NemotronHConfig`, `BambaConfig`, `FalconH1Config`, `JambaConfig`, `OlmoHybridConfig`, `Lfm2Config`,
-`Lfm2MoeConfig`, `KimiLinearConfig`: `defaults._DEFAULTS`),
+`Lfm2MoeConfig`, `KimiLinearConfig`: `defaults.DEFAULTS`),
 except the fields that size the model, which must be present: `vocab_size`, `hidden_size`, `num_hidden_layers`,
 `num_attention_heads`.
 

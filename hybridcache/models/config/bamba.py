@@ -10,10 +10,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridcache.models.config.groups import AttentionConfig
-from hybridcache.models.config.kinds import _MAMBA_KINDS
+from hybridcache.models.config.kinds import MAMBA_KINDS
 
 
-def _bamba_layer_types(text: Mapping[str, Any], num_layers: int) -> list[str]:
+def bamba_layer_types(text: Mapping[str, Any], num_layers: int) -> list[str]:
     """Bamba's layer kinds: "attention" at the `attn_layer_indices`, "mamba" elsewhere (none: every layer Mamba2, as
     transformers' `BambaConfig.layers_block_type`). A written `layers_block_type` / `layer_types` must agree."""
     indices = text.get("attn_layer_indices") or []
@@ -22,13 +22,13 @@ def _bamba_layer_types(text: Mapping[str, Any], num_layers: int) -> list[str]:
         raise ValueError(f"config.json attn_layer_indices {indices!r} must list layer indices in [0, {num_layers})")
     kinds = ["attention" if i in indices else "mamba" for i in range(num_layers)]
     written = text.get("layers_block_type") or text.get("layer_types")
-    if written is not None and (not isinstance(written, list) or [_MAMBA_KINDS.get(t) for t in written] != [
-            _MAMBA_KINDS[t] for t in kinds]):
+    if written is not None and (not isinstance(written, list) or [MAMBA_KINDS.get(t) for t in written] != [
+            MAMBA_KINDS[t] for t in kinds]):
         raise ValueError(f"config.json layers_block_type {written!r} disagrees with attn_layer_indices {indices!r}")
     return kinds
 
 
-def _check_bamba_rotary(text: Mapping[str, Any], attention: AttentionConfig) -> None:
+def check_bamba_rotary(text: Mapping[str, Any], attention: AttentionConfig) -> None:
     """Bamba's checkpoints name the rotated channels of a head twice: `attn_rotary_emb` (the original training code's
     count) and head_dim x partial_rotary_factor (transformers', 0.5 unless rope_parameters says otherwise); a config
     where they differ is ambiguous and refused."""

@@ -4,11 +4,11 @@ gets the Qwen defaults, unread), Qwen's feed-forward fields (LFM2's dense MLP to
 
 from __future__ import annotations
 
-from hybridcache.models.config.fields import _Fields, _time_step_limit
+from hybridcache.models.config.fields import Fields, time_step_limit
 from hybridcache.models.config.groups import FeedForwardConfig, GatedDeltaConfig, Mamba2Config
 
 
-def _gated_delta_config(fields: _Fields, allow_neg_eigval: bool = False) -> GatedDeltaConfig:
+def gated_delta_config(fields: Fields, allow_neg_eigval: bool = False) -> GatedDeltaConfig:
     return GatedDeltaConfig(
         num_k_heads=fields.integer("linear_num_key_heads"),
         num_v_heads=fields.integer("linear_num_value_heads"),
@@ -19,7 +19,7 @@ def _gated_delta_config(fields: _Fields, allow_neg_eigval: bool = False) -> Gate
     )
 
 
-def _feed_forward_config(fields: _Fields, model_type: str) -> FeedForwardConfig:
+def feed_forward_config(fields: Fields, model_type: str) -> FeedForwardConfig:
     text = fields.section
     is_qwen3_next = model_type == "qwen3_next"
     is_moe = model_type == "qwen3_5_moe_text" or (is_qwen3_next and fields.integer("num_experts", minimum=0) > 0)
@@ -38,14 +38,14 @@ def _feed_forward_config(fields: _Fields, model_type: str) -> FeedForwardConfig:
     )
 
 
-def _dense_feed_forward_config(fields: _Fields, family: str) -> FeedForwardConfig:
+def dense_feed_forward_config(fields: Fields, family: str) -> FeedForwardConfig:
     """A dense SiLU-gated MLP of `intermediate_size` after every mixer (Bamba's `feed_forward`), without biases."""
     if fields.boolean("mlp_bias", default=False):
         raise ValueError(f"config.json mlp_bias true is not supported for {family} (its checkpoints have none)")
     return FeedForwardConfig.dense(fields.integer("intermediate_size"))
 
 
-def _mamba2_config(fields: _Fields, inner: tuple[int, str] | None = None) -> Mamba2Config:
+def mamba2_config(fields: Fields, inner: tuple[int, str] | None = None) -> Mamba2Config:
     """Granite-4.0-H's (and Bamba's) `mamba_*` fields, as transformers' `GraniteMoeHybridConfig` checks them; `inner`:
     the Mamba2 channels and the fields that say them (None: mamba_expand * hidden_size; Falcon-H1: mamba_d_ssm)."""
     heads = fields.integer("mamba_n_heads")
@@ -71,5 +71,5 @@ def _mamba2_config(fields: _Fields, inner: tuple[int, str] | None = None) -> Mam
         conv_bias=fields.boolean("mamba_conv_bias", default=True),
         proj_bias=fields.boolean("mamba_proj_bias", default=False),
         chunk_size=fields.integer("mamba_chunk_size"),
-        time_step_limit=_time_step_limit(fields.section.get("time_step_limit")),
+        time_step_limit=time_step_limit(fields.section.get("time_step_limit")),
     )

@@ -8,17 +8,17 @@ from typing import Any
 
 # transformers' defaults (its configuration classes of each text model type) for the fields config.json may leave
 # out; `tests/models/test_config.py` checks them against the installed transformers.
-_COMMON_DEFAULTS: dict[str, Any] = {
+COMMON_DEFAULTS: dict[str, Any] = {
     "head_dim": 256, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "full_attention_interval": 4,
     "partial_rotary_factor": 0.25, "rope_theta": 10000.0, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
     "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
 }
 _MOE_DEFAULTS: dict[str, Any] = {"moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen3_5_text": {**_COMMON_DEFAULTS, "num_key_value_heads": 4, "intermediate_size": 12288},
-    "qwen3_5_moe_text": {**_COMMON_DEFAULTS, **_MOE_DEFAULTS, "num_key_value_heads": 2, "num_experts": 256,
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_5_text": {**COMMON_DEFAULTS, "num_key_value_heads": 4, "intermediate_size": 12288},
+    "qwen3_5_moe_text": {**COMMON_DEFAULTS, **_MOE_DEFAULTS, "num_key_value_heads": 2, "num_experts": 256,
                          "num_experts_per_tok": 8},
-    "qwen3_next": {**_COMMON_DEFAULTS, **_MOE_DEFAULTS, "num_key_value_heads": 2, "intermediate_size": 5632,
+    "qwen3_next": {**COMMON_DEFAULTS, **_MOE_DEFAULTS, "num_key_value_heads": 2, "intermediate_size": 5632,
                    "num_experts": 512, "num_experts_per_tok": 10, "decoder_sparse_step": 1},
     # (head_dim: hidden_size / num_attention_heads and num_key_value_heads: num_attention_heads, set when parsed)
     "granitemoehybrid": {
@@ -62,7 +62,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "attn_layer_period": 8, "attn_layer_offset": 4, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
         "mamba_dt_rank": "auto", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
     },
-    # (`OlmoHybridConfig`; the head counts and dims it derives from other fields: `olmo_hybrid._olmo_defaults`)
+    # (`OlmoHybridConfig`; the head counts and dims it derives from other fields: `olmo_hybrid.olmo_defaults`)
     "olmo_hybrid": {
         "max_position_embeddings": 65536, "rms_norm_eps": 1e-6, "intermediate_size": 11008, "rope_theta": 10000.0,
         "partial_rotary_factor": 1.0, "linear_conv_kernel_dim": 4,
@@ -90,13 +90,13 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _derived_defaults(model_type: str, text: Mapping[str, Any]) -> dict[str, Any]:
-    """The defaults of `model_type` (`_DEFAULTS`), with those Granite's, Bamba's, Falcon-H1's, Jamba's, LFM2's and
+def derived_defaults(model_type: str, text: Mapping[str, Any]) -> dict[str, Any]:
+    """The defaults of `model_type` (`DEFAULTS`), with those Granite's, Bamba's, Falcon-H1's, Jamba's, LFM2's and
     LFM2-MoE's configurations derive from other fields: head_dim = hidden_size / num_attention_heads (their
     attention's, where config.json writes none); num_key_value_heads = num_attention_heads (Granite's default; Bamba's
     and Falcon-H1's when written null, their default being 8; Jamba's JambaConfig refuses a null). (OLMo Hybrid's:
-    `olmo_hybrid._olmo_defaults`, which the parse takes instead.)"""
-    defaults = dict(_DEFAULTS[model_type])
+    `olmo_hybrid.olmo_defaults`, which the parse takes instead.)"""
+    defaults = dict(DEFAULTS[model_type])
     heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
     if model_type not in ("granitemoehybrid", "bamba", "falcon_h1", "jamba", "lfm2", "lfm2_moe") or not (
             isinstance(heads, int) and isinstance(hidden, int) and heads > 0):

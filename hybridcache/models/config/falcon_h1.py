@@ -12,12 +12,12 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from hybridcache.models.config.common import _mamba2_config
-from hybridcache.models.config.fields import _Fields
+from hybridcache.models.config.common import mamba2_config
+from hybridcache.models.config.fields import Fields
 from hybridcache.models.config.groups import AttentionConfig, Mamba2Config, Multipliers
 
 
-def _falcon_layer_types(text: Mapping[str, Any], num_layers: int) -> list[str]:
+def falcon_layer_types(text: Mapping[str, Any], num_layers: int) -> list[str]:
     """Falcon-H1's layer kinds: "hybrid" every layer (attention and Mamba2 side by side). `attn_layer_indices` (which
     transformers' FalconH1 does not read) must be null, and a written `layers_block_type` / `layer_types` all
     "hybrid"."""
@@ -30,7 +30,7 @@ def _falcon_layer_types(text: Mapping[str, Any], num_layers: int) -> list[str]:
     return ["hybrid"] * num_layers
 
 
-def _numbers(fields: _Fields, key: str, count: int) -> tuple[float, ...]:
+def _numbers(fields: Fields, key: str, count: int) -> tuple[float, ...]:
     """A config.json list of `count` numbers >= 0 (Falcon-H1's mlp_multipliers, ssm_multipliers)."""
     value = fields.value(key)
     if not isinstance(value, list | tuple) or len(value) != count or any(
@@ -39,7 +39,7 @@ def _numbers(fields: _Fields, key: str, count: int) -> tuple[float, ...]:
     return tuple(float(v) for v in value)
 
 
-def _falcon_mamba2_config(fields: _Fields) -> Mamba2Config:
+def falcon_mamba2_config(fields: Fields) -> Mamba2Config:
     """Falcon-H1's Mamba2 fields: `mamba_d_ssm` channels (written null: mamba_expand * hidden_size) in mamba_n_heads
     heads of mamba_d_head ("auto": their quotient), Granite's other `mamba_*` fields; the gated norm only with
     `mamba_rms_norm` (default false), before the gate with `mamba_norm_before_gate` (default true); out_proj's bias
@@ -49,13 +49,13 @@ def _falcon_mamba2_config(fields: _Fields) -> Mamba2Config:
         inner = (fields.integer("mamba_expand") * fields.integer("hidden_size"), "mamba_expand * hidden_size")
     else:
         inner = (fields.integer("mamba_d_ssm"), "mamba_d_ssm")
-    return replace(_mamba2_config(fields, inner), rms_norm=fields.boolean("mamba_rms_norm", default=False),
+    return replace(mamba2_config(fields, inner), rms_norm=fields.boolean("mamba_rms_norm", default=False),
                    norm_before_gate=fields.boolean("mamba_norm_before_gate", default=True),
                    out_proj_bias=fields.boolean("projectors_bias", default=False),
                    in_multipliers=_numbers(fields, "ssm_multipliers", 5))
 
 
-def _falcon_multipliers(fields: _Fields) -> Multipliers:
+def falcon_multipliers(fields: Fields) -> Multipliers:
     gate, down = _numbers(fields, "mlp_multipliers", 2)
     return Multipliers(embedding=fields.number("embedding_multiplier"), logits=fields.number("lm_head_multiplier"),
                        key=fields.number("key_multiplier"), attention_in=fields.number("attention_in_multiplier"),
@@ -64,7 +64,7 @@ def _falcon_multipliers(fields: _Fields) -> Multipliers:
                        mlp_gate=gate, mlp_down=down)
 
 
-def _check_falcon_h1(fields: _Fields, attention: AttentionConfig) -> None:
+def check_falcon_h1(fields: Fields, attention: AttentionConfig) -> None:
     """What Falcon-H1's config.json may say that transformers' FalconH1 does not run as written: `mamba_use_mlp`
     false (transformers builds the MLP whatever it says), a `partial_rotary_factor` other than 1 (its default RoPE
     rotates the whole head whatever it says; a scaled RoPE would read it)."""

@@ -1,4 +1,4 @@
-"""Readers of config.json values: a file's JSON object, token ids, booleans, `_Fields` (the text model's fields read
+"""Readers of config.json values: a file's JSON object, token ids, booleans, `Fields` (the text model's fields read
 with transformers' defaults), and `time_step_limit`'s pair; a malformed value is a ValueError naming config.json
 and the field."""
 
@@ -42,7 +42,7 @@ def boolean(value: Any, key: str, default: bool) -> bool:
 
 
 @dataclass(frozen=True)
-class _Fields:
+class Fields:
     """The text model's fields of config.json (`section`) read with transformers' `defaults` for those left out
     or null; a value of the wrong type or range is a ValueError naming config.json and the field."""
 
@@ -73,7 +73,7 @@ class _Fields:
         return float(value)
 
 
-def _time_step_limit(value: Any) -> tuple[float, float]:
+def time_step_limit(value: Any) -> tuple[float, float]:
     """config.json's `time_step_limit`: null (no limit), or [low, high] with each bound a number, "Infinity" or
     transformers' {"__float__": "Infinity"}; 0 <= low <= high."""
     if value is None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridcache.models.config.fields import _Fields
+from hybridcache.models.config.fields import Fields
 from hybridcache.models.config.groups import FeedForwardConfig, Multipliers
 
 
-def _granite_rope(position_embedding_type: Any) -> bool:
+def granite_rope(position_embedding_type: Any) -> bool:
     """Whether Granite's attention rotates: "rope" yes; "nope" or null no (transformers builds its rotary embedding
     for "rope" alone); anything else is refused."""
     if position_embedding_type not in (None, "nope", "rope"):
@@ -25,7 +25,7 @@ def _granite_rope(position_embedding_type: Any) -> bool:
     return position_embedding_type == "rope"
 
 
-def _granite_feed_forward_config(fields: _Fields) -> FeedForwardConfig:
+def granite_feed_forward_config(fields: Fields) -> FeedForwardConfig:
     """Granite's `shared_mlp` (every layer) as the dense MLP, or beside `num_local_experts` routed experts as the
     shared expert (ungated: its output is added as it is)."""
     num_experts = fields.integer("num_local_experts", minimum=0)
@@ -44,7 +44,7 @@ def _granite_feed_forward_config(fields: _Fields) -> FeedForwardConfig:
     )
 
 
-def _multipliers(fields: _Fields) -> Multipliers:
+def granite_multipliers(fields: Fields) -> Multipliers:
     logits_scaling = fields.number("logits_scaling")
     if logits_scaling <= 0:
         raise ValueError(f"config.json logits_scaling {logits_scaling} must be > 0 (the logits are divided by it)")

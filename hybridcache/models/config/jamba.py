@@ -7,7 +7,7 @@ mixer, or, where i % expert_layer_period == expert_layer_offset and `num_experts
 not renormalised); `head_dim` read where written, else hidden_size / num_attention_heads. Refused: an offset not below
 its period, `attention_bias` true, `mamba_inner_layernorms` false, another activation, `num_local_experts` and
 `num_experts` both written and different, a null where JambaConfig requires a value (`num_key_value_heads`,
-`rms_norm_eps`, ...: `_JAMBA_NOT_NULL`); `use_mamba_kernels` and `sliding_window` (transformers' Jamba reads neither)
+`rms_norm_eps`, ...: `JAMBA_NOT_NULL`); `use_mamba_kernels` and `sliding_window` (transformers' Jamba reads neither)
 are not read."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hybridcache.models.config.fields import _Fields
+from hybridcache.models.config.fields import Fields
 from hybridcache.models.config.groups import FeedForwardConfig, Mamba1Config
 
 
-def _period_layers(fields: _Fields, name: str, num_layers: int) -> tuple[int, ...]:
+def _period_layers(fields: Fields, name: str, num_layers: int) -> tuple[int, ...]:
     """The layers i with i % {name}_layer_period == {name}_layer_offset (offset < period, as transformers checks)."""
     period, offset = fields.integer(f"{name}_layer_period"), fields.integer(f"{name}_layer_offset", minimum=0)
     if offset >= period:
@@ -30,7 +30,7 @@ def _period_layers(fields: _Fields, name: str, num_layers: int) -> tuple[int, ..
 # The Jamba fields read here that `JambaConfig` (transformers' strict dataclass) types without None: written null, it
 # refuses the file (`num_local_experts`, its alias of num_experts, leaves no expert count), so they are refused here
 # rather than read as their defaults.
-_JAMBA_NOT_NULL = (
+JAMBA_NOT_NULL = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
     "hidden_act", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "num_experts", "num_local_experts",
     "num_experts_per_tok", "expert_layer_period", "expert_layer_offset", "attn_layer_period", "attn_layer_offset",
@@ -38,11 +38,11 @@ _JAMBA_NOT_NULL = (
 )
 
 
-def _jamba_section(text: Mapping[str, Any]) -> dict[str, Any]:
+def jamba_section(text: Mapping[str, Any]) -> dict[str, Any]:
     """Jamba's config.json fields under the names `JambaConfig` keeps: `num_local_experts` (its attribute_map's alias)
     is `num_experts`; both written and different is refused (transformers would keep one of them silently). A field
-    of `_JAMBA_NOT_NULL` written null is refused, naming it (leaving it out takes JambaConfig's default)."""
-    nulls = [key for key in _JAMBA_NOT_NULL if key in text and text[key] is None]
+    of `JAMBA_NOT_NULL` written null is refused, naming it (leaving it out takes JambaConfig's default)."""
+    nulls = [key for key in JAMBA_NOT_NULL if key in text and text[key] is None]
     if nulls:
         raise ValueError(f"config.json {', '.join(nulls)} {'is' if len(nulls) == 1 else 'are'} null: transformers' "
                          "JambaConfig requires a value (leave a field out for its default)")
@@ -56,7 +56,7 @@ def _jamba_section(text: Mapping[str, Any]) -> dict[str, Any]:
     return section
 
 
-def _jamba_layout(fields: _Fields) -> tuple[list[str], tuple[int, ...]]:
+def jamba_layout(fields: Fields) -> tuple[list[str], tuple[int, ...]]:
     """Jamba's layer kinds ("attention" where i % attn_layer_period == attn_layer_offset, else "mamba") and its MoE
     layers (i % expert_layer_period == expert_layer_offset, when num_experts > 1), as `JambaConfig` derives them. A
     `layers_block_type` written in config.json (transformers ignores it: its property is derived) must agree."""
@@ -71,7 +71,7 @@ def _jamba_layout(fields: _Fields) -> tuple[list[str], tuple[int, ...]]:
     return layer_types, experts if fields.integer("num_experts") > 1 else ()
 
 
-def _jamba_feed_forward_config(fields: _Fields, moe_layer_ids: tuple[int, ...]) -> FeedForwardConfig:
+def jamba_feed_forward_config(fields: Fields, moe_layer_ids: tuple[int, ...]) -> FeedForwardConfig:
     """Jamba's feed-forward block after every mixer: a SiLU-gated MLP of `intermediate_size`, or in `moe_layer_ids`
     `num_experts` routed experts of that width (top `num_experts_per_tok` of the softmax, not renormalised), no
     shared expert."""
@@ -89,7 +89,7 @@ def _jamba_feed_forward_config(fields: _Fields, moe_layer_ids: tuple[int, ...]) 
     )
 
 
-def _mamba1_config(fields: _Fields) -> Mamba1Config:
+def mamba1_config(fields: Fields) -> Mamba1Config:
     """Jamba's `mamba_*` fields (`mamba_dt_rank` "auto": ceil(hidden_size / 16)); `mamba_inner_layernorms` (older
     configs) must not be false: transformers' Jamba always has the dt / B / C norms."""
     if fields.section.get("mamba_inner_layernorms") is False:

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from hybridcache.models.config.defaults import _DEFAULTS
-from hybridcache.models.config.fields import _Fields, boolean, token_ids
+from hybridcache.models.config.defaults import DEFAULTS
+from hybridcache.models.config.fields import Fields, boolean, token_ids
 from hybridcache.models.config.groups import (
     AttentionConfig,
     FeedForwardConfig,
@@ -25,7 +25,7 @@ from hybridcache.models.config.groups import (
     GroupedRouting,
     MLAConfig,
 )
-from hybridcache.models.config.kinds import _QWEN_KINDS, LayerKind
+from hybridcache.models.config.kinds import QWEN_KINDS, LayerKind
 from hybridcache.models.config.model import ModelConfig
 
 # Kimi Linear's config.json spellings (the released checkpoints') and the names `KimiLinearConfig` keeps
@@ -66,13 +66,13 @@ def _kimi_layer_types(text: Mapping[str, Any], num_layers: int) -> tuple[LayerKi
         written = ["full_attention" if i + 1 in full else "linear_attention" for i in range(num_layers)]
     if written is None:
         written = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(num_layers)]
-    if not isinstance(written, list) or len(written) != num_layers or set(written) - set(_QWEN_KINDS):
+    if not isinstance(written, list) or len(written) != num_layers or set(written) - set(QWEN_KINDS):
         raise ValueError(f"config.json layer_types {written!r} do not describe {num_layers} layers of "
-                         f"{sorted(_QWEN_KINDS)}")
-    return tuple(_QWEN_KINDS[t] for t in written)
+                         f"{sorted(QWEN_KINDS)}")
+    return tuple(QWEN_KINDS[t] for t in written)
 
 
-def _kimi_moe_layer_ids(fields: _Fields, num_layers: int) -> tuple[int, ...]:
+def _kimi_moe_layer_ids(fields: Fields, num_layers: int) -> tuple[int, ...]:
     """The layers with an MoE block: `mlp_layer_types` ("dense" / "sparse" a layer; what transformers'
     `save_pretrained` writes) where given, else every layer from `first_k_dense_replace` on (as
     `KimiLinearConfig` reads them)."""
@@ -85,7 +85,7 @@ def _kimi_moe_layer_ids(fields: _Fields, num_layers: int) -> tuple[int, ...]:
     return tuple(i for i, kind in enumerate(written) if kind == "sparse")
 
 
-def _kimi_check(fields: _Fields) -> None:
+def _kimi_check(fields: Fields) -> None:
     """Refuse what Kimi Linear's implementation here (and transformers') does not run."""
     text = fields.section
     checks = (
@@ -109,7 +109,7 @@ def _kimi_check(fields: _Fields) -> None:
             raise ValueError(f"config.json {reason}")
 
 
-def _kimi_linear_config(raw: Mapping[str, Any], text: Mapping[str, Any], architecture: str) -> ModelConfig:
+def kimi_linear_config(raw: Mapping[str, Any], text: Mapping[str, Any], architecture: str) -> ModelConfig:
     """Kimi Linear (`kimi_linear`): KDA layers ("linear_attention", `gated_delta` with as many key as value heads,
     `linear_num_heads` of `linear_head_dim`), MLA layers ("full_attention", `mla`; `attention` holds its paged KV's
     shape: num_attention_heads heads of `MLAConfig.cache_head_dim`, no rotary embedding, scale
@@ -117,11 +117,11 @@ def _kimi_linear_config(raw: Mapping[str, Any], text: Mapping[str, Any], archite
     first `first_k_dense_replace` layers) and MoE blocks in the others (`num_local_experts` SiLU experts of
     `moe_intermediate_size`, top `num_experts_per_tok`, routed by `GroupedRouting`, `n_shared_experts` x
     moe_intermediate_size of shared expert)."""
-    defaults = dict(_DEFAULTS["kimi_linear"])
+    defaults = dict(DEFAULTS["kimi_linear"])
     section = _kimi_section(text)
     if isinstance(section.get("num_attention_heads"), int):
         defaults["num_key_value_heads"] = section["num_attention_heads"]
-    fields = _Fields(section, defaults)
+    fields = Fields(section, defaults)
     _kimi_check(fields)
     num_layers = fields.integer("num_hidden_layers")
     layer_types = _kimi_layer_types(section, num_layers)

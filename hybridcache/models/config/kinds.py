@@ -30,11 +30,11 @@ RECURRENT_KINDS = frozenset({LayerKind.LINEAR_ATTENTION, LayerKind.MAMBA2, Layer
 
 
 # The layer kinds of each text model type, by their config.json spellings.
-_QWEN_KINDS = {"linear_attention": LayerKind.LINEAR_ATTENTION, "full_attention": LayerKind.FULL_ATTENTION}
-_MAMBA_KINDS = {"mamba": LayerKind.MAMBA2, "linear_attention": LayerKind.MAMBA2, "attention": LayerKind.FULL_ATTENTION,
-                "full_attention": LayerKind.FULL_ATTENTION}
+QWEN_KINDS = {"linear_attention": LayerKind.LINEAR_ATTENTION, "full_attention": LayerKind.FULL_ATTENTION}
+MAMBA_KINDS = {"mamba": LayerKind.MAMBA2, "linear_attention": LayerKind.MAMBA2, "attention": LayerKind.FULL_ATTENTION,
+               "full_attention": LayerKind.FULL_ATTENTION}
 # Nemotron-H: transformers 5's names and the older ones it remaps
-_NEMOTRON_KINDS = {**_MAMBA_KINDS, "mlp": LayerKind.MLP, "moe": LayerKind.MLP}  # (MoE: `is_moe_layer` says it)
-_FALCON_KINDS = {"hybrid": LayerKind.HYBRID}  # (transformers' FalconH1Config.layers_block_type: "hybrid" every layer)
-_JAMBA_KINDS = {"mamba": LayerKind.MAMBA1, "attention": LayerKind.FULL_ATTENTION}
-_LFM2_KINDS = {"conv": LayerKind.SHORT_CONV, "full_attention": LayerKind.FULL_ATTENTION}
+NEMOTRON_KINDS = {**MAMBA_KINDS, "mlp": LayerKind.MLP, "moe": LayerKind.MLP}  # (MoE: `is_moe_layer` says it)
+FALCON_KINDS = {"hybrid": LayerKind.HYBRID}  # (transformers' FalconH1Config.layers_block_type: "hybrid" every layer)
+JAMBA_KINDS = {"mamba": LayerKind.MAMBA1, "attention": LayerKind.FULL_ATTENTION}
+LFM2_KINDS = {"conv": LayerKind.SHORT_CONV, "full_attention": LayerKind.FULL_ATTENTION}

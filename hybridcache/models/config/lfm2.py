@@ -18,11 +18,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hybridcache.models.config.fields import _Fields
+from hybridcache.models.config.common import feed_forward_config
+from hybridcache.models.config.fields import Fields
 from hybridcache.models.config.groups import FeedForwardConfig, GroupedRouting
 
 
-def _lfm2_section(text: Mapping[str, Any], moe: bool) -> dict[str, Any]:
+def lfm2_section(text: Mapping[str, Any], moe: bool) -> dict[str, Any]:
     """LFM2's config.json fields under the names read here, as `Lfm2Config` takes them: `block_ff_dim` wins over
     intermediate_size, `tie_embedding` over tie_word_embeddings, `norm_eps` is the norms' eps (rms_norm_eps is not
     read), and layer_types, left out, come from `full_attn_idxs` (left out too: every layer attends). LFM2-MoE
@@ -47,7 +48,7 @@ def _lfm2_section(text: Mapping[str, Any], moe: bool) -> dict[str, Any]:
     return section
 
 
-def _lfm2_moe_feed_forward_config(fields: _Fields) -> FeedForwardConfig:
+def lfm2_moe_feed_forward_config(fields: Fields) -> FeedForwardConfig:
     """LFM2-MoE's MLPs: dense (`intermediate_size`) in the first `num_dense_layers` layers, MoE blocks after them
     (`GroupedRouting` of one group: sigmoid scores + expert_bias pick, renormalised with + 1e-6)."""
     if not fields.boolean("use_expert_bias", default=True):
@@ -68,7 +69,7 @@ def _lfm2_moe_feed_forward_config(fields: _Fields) -> FeedForwardConfig:
     )
 
 
-def _lfm2_mlp_width(fields: _Fields) -> int:
+def _lfm2_mlp_width(fields: Fields) -> int:
     """`Lfm2MLP`'s width: intermediate_size, or with `block_auto_adjust_ff_dim` (default true) int(2/3 of it) times
     `block_ffn_dim_multiplier`, rounded up to a multiple of `block_multiple_of` (LFM2-1.2B: block_ff_dim 12,288 ->
     8,192)."""
@@ -78,3 +79,9 @@ def _lfm2_mlp_width(fields: _Fields) -> int:
     multiple = fields.integer("block_multiple_of")
     width = int(fields.number("block_ffn_dim_multiplier") * int(2 * width / 3))
     return multiple * -(-width // multiple)
+
+
+def lfm2_feed_forward_config(fields: Fields) -> FeedForwardConfig:
+    """LFM2's dense MLP: Qwen's feed-forward fields (`common.feed_forward_config`) at `Lfm2MLP`'s width."""
+    section = {**fields.section, "intermediate_size": _lfm2_mlp_width(fields)}
+    return feed_forward_config(Fields(section, fields.defaults), "lfm2")

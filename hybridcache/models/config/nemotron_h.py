@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from hybridcache.models.config.fields import _Fields, _time_step_limit
+from hybridcache.models.config.fields import Fields, time_step_limit
 from hybridcache.models.config.groups import FeedForwardConfig, GroupedRouting, Mamba2Config
 
 # `hybrid_override_pattern`'s letters and the layer types they stand for
@@ -34,7 +34,7 @@ _NEMOTRON_ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel"
                      "mamba_chunk_size": "chunk_size"}
 
 
-def _nemotron_section(text: Mapping[str, Any]) -> dict[str, Any]:
+def nemotron_section(text: Mapping[str, Any]) -> dict[str, Any]:
     """Nemotron-H's config.json fields under the names `NemotronHConfig` keeps (`_NEMOTRON_ALIASES` applied)."""
     section = dict(text)
     for old, new in _NEMOTRON_ALIASES.items():
@@ -43,7 +43,7 @@ def _nemotron_section(text: Mapping[str, Any]) -> dict[str, Any]:
     return section
 
 
-def _nemotron_layer_types(text: Mapping[str, Any]) -> list[str]:
+def nemotron_layer_types(text: Mapping[str, Any]) -> list[str]:
     """Nemotron-H's layer kinds as written: `layers_block_type` (or `layer_types`), else `hybrid_override_pattern`
     one letter a layer (M Mamba2, * attention, - MLP, E MoE)."""
     written = text.get("layers_block_type") or text.get("layer_types")
@@ -56,7 +56,7 @@ def _nemotron_layer_types(text: Mapping[str, Any]) -> list[str]:
     return [_NEMOTRON_PATTERN[letter] for letter in pattern]
 
 
-def _nemotron_activation(fields: _Fields) -> str:
+def nemotron_activation(fields: Fields) -> str:
     """Nemotron-H's MLP activation, "relu2" (relu(x)^2) only; its Mamba2 activation must be "silu"."""
     for key, supported in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         if fields.value(key) != supported:
@@ -64,7 +64,7 @@ def _nemotron_activation(fields: _Fields) -> str:
     return "relu2"
 
 
-def _nemotron_feed_forward_config(fields: _Fields, moe_layer_ids: tuple[int, ...]) -> FeedForwardConfig:
+def nemotron_feed_forward_config(fields: Fields, moe_layer_ids: tuple[int, ...]) -> FeedForwardConfig:
     """Nemotron-H's dense layers (up_proj -> relu^2 -> down_proj of `intermediate_size`) and MoE layers
     (`moe_layer_ids`), layers of their own."""
     if fields.boolean("mlp_bias", default=False):
@@ -91,7 +91,7 @@ def _nemotron_feed_forward_config(fields: _Fields, moe_layer_ids: tuple[int, ...
         moe_latent_size=None if latent is None else fields.integer("moe_latent_size"))
 
 
-def _nemotron_mamba2_config(fields: _Fields) -> Mamba2Config:
+def nemotron_mamba2_config(fields: Fields) -> Mamba2Config:
     """Nemotron-H's Mamba2 fields (`NemotronHConfig`'s names): heads mamba_num_heads x mamba_head_dim (`expand`
     sizes nothing there), n_groups, ssm_state_size, conv_kernel, use_conv_bias, use_bias (in_proj and out_proj)."""
     heads, groups = fields.integer("mamba_num_heads"), fields.integer("n_groups")
@@ -106,5 +106,5 @@ def _nemotron_mamba2_config(fields: _Fields) -> Mamba2Config:
         conv_bias=fields.boolean("use_conv_bias", default=True),
         proj_bias=fields.boolean("use_bias", default=False),
         chunk_size=fields.integer("chunk_size"),
-        time_step_limit=_time_step_limit(fields.section.get("time_step_limit")),
+        time_step_limit=time_step_limit(fields.section.get("time_step_limit")),
     )

@@ -12,15 +12,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hybridcache.models.config.defaults import _DEFAULTS
+from hybridcache.models.config.defaults import DEFAULTS
 
 
-def _olmo_defaults(text: Mapping[str, Any]) -> dict[str, Any]:
+def olmo_defaults(text: Mapping[str, Any]) -> dict[str, Any]:
     """`OlmoHybridConfig`'s defaults, with those it derives from other fields (where those are integers > 0):
     num_key_value_heads, linear_num_key_heads and linear_num_value_heads = num_attention_heads, head_dim =
     hidden_size / num_attention_heads (its attention's, `getattr(config, "head_dim", ...)`), linear_key_head_dim =
     int(0.75 * hidden_size / linear_num_key_heads), linear_value_head_dim = 2 * linear_key_head_dim."""
-    defaults = dict(_DEFAULTS["olmo_hybrid"])
+    defaults = dict(DEFAULTS["olmo_hybrid"])
     heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
     if not (isinstance(heads, int) and isinstance(hidden, int) and heads > 0):
         return defaults
@@ -34,7 +34,7 @@ def _olmo_defaults(text: Mapping[str, Any]) -> dict[str, Any]:
     return defaults
 
 
-def _olmo_layer_types(num_layers: int) -> list[str]:
+def olmo_layer_types(num_layers: int) -> list[str]:
     """`OlmoHybridConfig`'s layer_types when config.json leaves them out: every fourth layer attention, the last
     one too when there would be none."""
     kinds = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)]

@@ -8,14 +8,14 @@ computes once (`SCALED_ROPE_TYPES`: "linear", "yarn", "llama3"; its keys, e.g. `
 which rescale with the sequence length at run time, are refused, as is "proportional" (it rotates the whole head).
 `mrope_section` (default (11, 11, 10), as transformers) lays out Qwen3.5's interleaved M-RoPE for image tokens;
 text-only input has equal position ids on the three axes, where M-RoPE is plain RoPE. OLMo Hybrid's and LFM2's
-attention rotates the whole head (`_whole_head_rope_attention_config`)."""
+attention rotates the whole head (`whole_head_rope_attention_config`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from hybridcache.models.config.fields import _Fields
+from hybridcache.models.config.fields import Fields
 from hybridcache.models.config.groups import AttentionConfig
 
 # rope_type values whose inverse frequencies transformers' `ROPE_INIT_FUNCTIONS` computes from config.json alone,
@@ -54,7 +54,7 @@ def _check_one_rope_layout(text: Mapping) -> None:
             f"rope_parameters alone")
 
 
-def _attention_config(fields: _Fields, *, use_rope: bool = True, scale: float | None = None) -> AttentionConfig:
+def attention_config(fields: Fields, *, use_rope: bool = True, scale: float | None = None) -> AttentionConfig:
     """The attention group of a text config (rotary settings in either layout, see the module docstring); `use_rope`
     False: no rotary embedding (Granite's "nope", Nemotron-H); `scale`: the softmax scale where config.json sets one
     (Granite's attention_multiplier)."""
@@ -64,7 +64,7 @@ def _attention_config(fields: _Fields, *, use_rope: bool = True, scale: float | 
         raise ValueError(f"config.json rope_parameters {rope!r} must be an object")
     _check_one_rope_layout(text)
     # rope_parameters' values win over the older top-level fields
-    rotary = _Fields({**text, **{k: v for k, v in rope.items() if v is not None}}, fields.defaults)
+    rotary = Fields({**text, **{k: v for k, v in rope.items() if v is not None}}, fields.defaults)
 
     num_heads = fields.integer("num_attention_heads")
     section = tuple(int(n) for n in rope.get("mrope_section") or (11, 11, 10))
@@ -95,7 +95,7 @@ def _attention_config(fields: _Fields, *, use_rope: bool = True, scale: float | 
     )
 
 
-def _rope_scaling(fields: _Fields, rope: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+def _rope_scaling(fields: Fields, rope: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     """`AttentionConfig.rope_scaling` of config.json's rope parameters `rope` (see the module docstring)."""
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type == "default":
@@ -128,7 +128,7 @@ def _frozen(value: Any, key: str) -> Any:
     return value
 
 
-def _whole_head_rope_attention_config(fields: _Fields, family: str) -> AttentionConfig:
+def whole_head_rope_attention_config(fields: Fields, family: str) -> AttentionConfig:
     """OLMo Hybrid's and LFM2's attention: RoPE on the whole head (their rotary embeddings read no
     partial_rotary_factor: another value is refused, naming `family`); OLMo Hybrid's none where `rope_theta` is
     written as null (in rope_parameters, or at the top level without rope_parameters), as transformers then builds no
@@ -137,7 +137,7 @@ def _whole_head_rope_attention_config(fields: _Fields, family: str) -> Attention
     rope = text.get("rope_parameters")
     written = rope if isinstance(rope, Mapping) and "rope_theta" in rope else text
     use_rope = family == "LFM2" or "rope_theta" not in written or written["rope_theta"] is not None
-    attention = _attention_config(fields, use_rope=use_rope)
+    attention = attention_config(fields, use_rope=use_rope)
     if attention.partial_rotary_factor != 1.0:
         raise ValueError(f"config.json partial_rotary_factor {attention.partial_rotary_factor} is not supported for "
                          f"{family} (its rotary embedding rotates the whole head)")
