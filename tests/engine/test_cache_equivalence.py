@@ -10,6 +10,7 @@ import pytest
 
 from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
+from hybridcache.models import ModelConfig
 from hybridcache.sampling import SamplingParams
 from hybridcache.server.engine_state import read_engine_state
 
@@ -26,6 +27,12 @@ def model_dir(request, tmp_path_factory):
 
 
 def make_engine(model_dir, *, caching=True, block_size=16, kernel_block_size=8, **options) -> LLMEngine:
+    """An engine on `model_dir` that records every sampled row's logits (`engine.logits`). With `num_blocks` and no
+    `max_model_len` (the CUDA options), max_model_len is the model's length cut to what the pool holds (Kimi
+    Linear's 1,048,576 would be refused by a pool of 512 blocks)."""
+    if "num_blocks" in options and "max_model_len" not in options:
+        limit = ModelConfig.from_model_dir(model_dir).max_model_len
+        options["max_model_len"] = min(limit, options["num_blocks"] * block_size)
     config = EngineConfig(
         block_size=block_size, kernel_block_size=kernel_block_size, enable_prefix_caching=caching,
         **{"max_num_batched_tokens": 96, "max_num_seqs": 6, **options},
