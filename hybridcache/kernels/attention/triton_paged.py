@@ -62,9 +62,10 @@ class PrefillConfig:
 
 
 def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
-    """Tiles for this head size and dtype. bf16: 128 x 64 with 8 warps, the fastest of four tilings benchmarked
-    at D = 256 (docs/bench.md, "Figures behind the code's choices"); fp32 tiles are twice as wide in bytes, so
-    smaller ones fit in shared memory."""
+    """Tiles for this head size (the tiles' width, a power of two: `paged_prefill_attention` passes the head dim
+    rounded up) and dtype. bf16: 128 x 64 with 8 warps, the fastest of four tilings benchmarked at D = 256
+    (docs/bench.md, "Figures behind the code's choices"); fp32 tiles are twice as wide in bytes, so smaller ones fit
+    in shared memory."""
     if dtype == torch.float32:
         return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
     return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
@@ -158,9 +159,9 @@ def _query_block(
 ):
     """A prefill program's query block (chunk table entry `pid_m`: its sequence and block of BLOCK_M queries) for
     query head `head`: q [BLOCK_M, D_PAD] (0 past D), the head's lanes and which are real (`_head_lanes`), the
-    rows' positions, their row indices and which are real, the sequence's
-    context length, its kv head offset and block-table row, `last` (one past the last key any row sees) and
-    `unmasked_end` (keys before it are <= every row's position, so need no causal mask)."""
+    rows' positions, their row indices and which are real, the sequence's context length, its kv head offset and
+    block-table row, `last` (one past the last key any row sees) and `unmasked_end` (keys before it are <= every
+    row's position, so need no causal mask)."""
     seq = tl.load(chunk_ptr + 2 * pid_m).to(tl.int64)
     block = tl.load(chunk_ptr + 2 * pid_m + 1)
     bos = tl.load(cu_ptr + seq).to(tl.int64)
@@ -377,8 +378,7 @@ def paged_prefill_attention(
     cfg = config or default_prefill_config(d_pad, q.dtype)
     table = make_chunk_indices(cu_seqlens, query_lens_cpu, cfg.block_m) if chunk_indices is None else chunk_indices
     geometry = dict(GROUP=num_heads // kv_pool.shape[3], PAGE=kv_pool.shape[2], D=head_dim, D_PAD=d_pad,
-                    BLOCK_M=cfg.block_m,
-                    BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype), num_warps=cfg.num_warps,
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype), num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages)
     if num_splits <= 1:
         _prefill_kernel[(table.shape[0], num_heads)](
@@ -396,8 +396,7 @@ def paged_prefill_attention(
     )
     _decode_merge_kernel[(num_tokens, num_heads)](
         partial, ml, out, out.stride(0), out.stride(1), num_heads, num_splits, D=head_dim, D_PAD=d_pad,
-        BLOCK_S=_MERGE_BLOCK_S,
-        **pdl.options(partial),
+        BLOCK_S=_MERGE_BLOCK_S, **pdl.options(partial),
     )
     return out
 
