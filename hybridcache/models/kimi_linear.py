@@ -38,7 +38,7 @@ MLA without rotary embedding (`mla_use_nope`; transformers' Kimi Linear applies 
 key [k_nope_h | k_shared] (Dqk = Dn + Dr; k_shared, Dr wide, is the same for every head), value [Dv]; softmax
 scale Dqk^-1/2. The paged KV holds the expanded keys and values of every head, zero-padded to
 `MLAConfig.cache_head_dim` D (queries padded alike, so q.k is unchanged; the padded output channels are dropped):
-2 x H x D values a token and layer (bf16, the released models: 2 x 32 x 256 x 2 B = 32 KiB).
+2 x H x D values a token and layer (bf16, the released models: D = 192, 2 x 32 x 192 x 2 B = 24 KiB).
 
 Not supported (a ValueError says so): tensor parallelism, FP8 weights or KV, MTP, MLA with rotary embedding, images.
 """

@@ -680,3 +680,59 @@ def check_head_padding(device: torch.device, dims: tuple[int, int], heads: tuple
         "verify_padding_kept": bool(pool[unwritten].isnan().all()),  # (the NaN rows and the unused draft rows)
     })
     return stats
+
+
+def check_attention_lanes(dtype: torch.dtype, device: torch.device, head_dim: int, lengths: Sequence[int],
+                          history: Sequence[int], page: int = 16, heads: tuple[int, int] = (4, 2), seed: int = 0,
+                          num_splits: int = 1, lead: int = 0) -> dict[str, ErrorStats | bool]:
+    """`write_kv` + the prefill kernel (its keys in `num_splits` splits), or the decode kernel when every length is 1,
+    at any head dim, with NaN in the memory that lanes past the dim address (the tiles are the dim rounded up to a
+    power of two, `triton_paged`): the new keys and values, q and the output are views whose head rows are followed
+    by a tile's width of NaN, and the pool's slots outside the contexts hold NaN (`paged_kv`; its rows are exactly
+    the dim wide, so a key or value read past a head's last lane meets the next head's or the next slot's). A lane
+    read unmasked puts NaN into the output (`error_stats` gives inf); one written unmasked overwrites NaN padding
+    (`out_padding_kept` False). lead > 0: the first `lead` sequences (one new token each) are a mixed step's
+    decode rows, written by the decode kernel into the prefill kernel's output (`triton_backend`'s order: the
+    prefill kernel's chunk table leaves their blocks out)."""
+    import triton
+
+    from hybridcache.kernels.attention.triton_paged import (
+        default_prefill_config,
+        paged_decode_attention,
+        paged_prefill_attention,
+        write_kv,
+    )
+    from hybridcache.kernels.varlen import chunk_indices
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = varlen_batch(lengths, history, device, seed)
+    num_q, num_kv = heads
+    kv = paged_kv(batch, page, num_kv, head_dim, dtype, device, gen)
+    num_tokens, pad = sum(lengths), triton.next_power_of_2(head_dim)
+    q = torch.randn(num_tokens, num_q, head_dim, generator=gen).to(device, dtype)
+    keys = torch.randn(num_tokens, num_kv, head_dim, generator=gen).to(device, dtype)
+    values = torch.randn(num_tokens, num_kv, head_dim, generator=gen).to(device, dtype)
+    ref_pool = kv.kv_pool.clone()
+    attention_ref.write_kv(ref_pool, keys, values, kv.kv_rows)
+    write_kv(kv.kv_pool, _nan_padded(keys, pad), _nan_padded(values, pad), kv.kv_rows)
+    out_buf = torch.full((num_tokens, num_q, head_dim + pad), float("nan"), dtype=dtype, device=device)
+    out, scale = out_buf[..., :head_dim], head_dim**-0.5
+    padded_q = _nan_padded(q, pad)
+    if all(n == 1 for n in lengths):
+        paged_decode_attention(padded_q, kv.kv_pool, kv.block_tables, batch.context_lens, max(batch.context_lens_cpu),
+                               scale=scale, out=out)
+    else:
+        assert all(n == 1 for n in lengths[:lead])
+        block_m = default_prefill_config(pad, dtype).block_m
+        table = chunk_indices(batch.cu_seqlens.long(), batch.query_lens_cpu, block_m)
+        paged_prefill_attention(padded_q, kv.kv_pool, kv.block_tables, batch.cu_seqlens, batch.context_lens,
+                                batch.query_lens_cpu, scale=scale, chunk_indices=table[lead:],
+                                num_splits=num_splits, out=out)
+        if lead:
+            paged_decode_attention(padded_q[:lead], kv.kv_pool, kv.block_tables[:lead], batch.context_lens[:lead],
+                                   max(batch.context_lens_cpu), scale=scale, out=out[:lead])
+    ref = attention_ref.paged_attention(q.float(), ref_pool.float(), kv.block_tables, batch.cu_seqlens,
+                                        batch.query_lens_cpu, batch.context_lens_cpu, scale=scale)
+    return {"kv_write": error_stats(kv.kv_pool.nan_to_num(0.0), ref_pool.nan_to_num(0.0)),
+            "out": error_stats(out, ref),
+            "out_padding_kept": bool(out_buf[..., head_dim:].isnan().all())}

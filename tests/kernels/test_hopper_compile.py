@@ -175,3 +175,30 @@ def test_expert_gemm_swap_ab_compiles_to_wgmma_for_hopper(gate_up):
         ptx[swap] = compile_for_hopper(_expert_gemm_kernel, EXPERT_POINTERS, integers(_expert_gemm_kernel),
                                        constants).asm["ptx"]
     assert "wgmma" in ptx[True] and "wgmma" not in ptx[False]
+
+
+ATTENTION_POINTERS = {"kv_ptr": "*bf16", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "bt_ptr": "*i32", "ctx_ptr": "*i32",
+                      "cu_ptr": "*i32", "chunk_ptr": "*i32"}
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "prefill_split", "decode_split", "decode_merge"])
+def test_attention_lane_masks_only_where_a_tile_passes_the_head_dim(kernel):
+    """The paged-attention kernels take any head dim D: tiles D_PAD = D rounded up to a power of two wide, the lanes
+    past D masked (`triton_paged._head_lanes`). D 80 compiles with its lanes compared to 80; D 128 with no compare
+    against it: the mask folds to a constant and vanishes (the PTX of the engine's launches at D 64, 128 and 256,
+    bf16 and fp32, was the same, debug lines aside, as before the kernels took other dims: session 65). Small tiles
+    keep the compiles short; the masks do not depend on them."""
+    from hybridcache.kernels.attention import triton_paged
+
+    launch = getattr(triton_paged, f"_{kernel}_kernel")
+    geometry = (dict(GROUP=4, BLOCK_G=16, PAGE=16, BLOCK_N=16, PRECISION="tf32") if kernel == "decode_split" else
+                dict(BLOCK_S=16) if kernel == "decode_merge" else
+                dict(GROUP=4, PAGE=16, BLOCK_M=16, BLOCK_N=16, PRECISION="tf32"))
+    scales = tuple(p.name for p in launch.params if p.name in ("qk_scale", "v_scale"))
+    ints = [name for name in integers(launch) if name not in scales]
+    compares = {}
+    for dim in (80, 128):
+        ptx = compile_for_hopper(launch, pointers(launch, {**GDN_POINTERS, **ATTENTION_POINTERS}), ints,
+                                 dict(geometry, D=dim, D_PAD=128), floats=scales).asm["ptx"]
+        compares[dim] = {int(n) for n in _IMMEDIATE_COMPARE.findall(ptx)} & {dim, dim - 1}
+    assert compares == {80: {80}, 128: set()}

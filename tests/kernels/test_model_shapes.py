@@ -66,13 +66,13 @@ def test_cuda_checks_pass_a_24_wide_value_head(narrow_value_heads, monkeypatch):
 
 
 def test_the_checks_name_every_reason():
-    shapes = ModelShapes(attention_head_dim=96, rotary_dim=25, delta_key_head_dim=320, delta_value_head_dim=24,
+    shapes = ModelShapes(attention_head_dim=320, rotary_dim=25, delta_key_head_dim=320, delta_value_head_dim=24,
                          num_experts=40_000)
     with pytest.raises(UnsupportedModelError) as refused:
         check_cuda_model(shapes, TritonAttention)
     message = str(refused.value)
     for reason in ("the DeltaNet key head dim is 320", "the rotary dim 25 must be even",
-                   "40000 experts", "the attention head dim is 96"):
+                   "40000 experts", "the attention head dim is 320, over 256: the Triton attention kernels' tiles"):
         assert reason in message
     assert "value head dim" not in message  # 24 is fine
 
@@ -91,6 +91,8 @@ def test_olmo_hybrid_7b_passes_the_cuda_checks():
 
 def test_shapes_that_pass():
     check_cuda_model(ModelShapes(256, 64, 128, 128, num_experts=512), TritonAttention)
+    for dim in (24, 80, 96, 192):  # any attention head dim up to 256 (tiles padded to a power of two)
+        check_cuda_model(ModelShapes(dim, dim, None, None), TritonAttention)
     check_cuda_model(ModelShapes(None, None, 128, 128), TritonAttention)  # no attention layers
     check_cuda_model(ModelShapes(None, None, 20, 36), TritonAttention)  # any DeltaNet head dims ...
     check_cuda_model(ModelShapes(None, None, 256, 1000), TritonAttention)  # ... keys up to 256

@@ -81,8 +81,8 @@ def test_per_channel_rule_continues_across_chunks_and_differs_from_per_head():
 
 
 def test_layers_and_states(pair):
-    """KDA layers hold conv [3 H K, W-1] and ssm [H, K, K]; MLA layers paged KV of every head at the padded
-    power-of-two head dim; MoE blocks from first_k_dense_replace on."""
+    """KDA layers hold conv [3 H K, W-1] and ssm [H, K, K]; MLA layers paged KV of every head at the wider of the
+    key (16 + 8) and value (20) head dims, no more; MoE blocks from first_k_dense_replace on."""
     config = pair.ours.config
     specs = pair.ours.state_specs(torch.float32, torch.float32)
     d, mla = config.gated_delta, config.mla
@@ -93,8 +93,8 @@ def test_layers_and_states(pair):
             assert shapes == {"conv": (3 * d.num_v_heads * d.k_head_dim, d.conv_kernel_size - 1),
                               "ssm": (d.num_v_heads, d.k_head_dim, d.k_head_dim)}
         else:
-            assert (specs[layer_id].num_kv_heads, specs[layer_id].head_dim) == (config.attention.num_heads, 32)
-            assert mla.cache_head_dim == 32 >= max(mla.qk_head_dim, mla.v_head_dim)
+            assert (specs[layer_id].num_kv_heads, specs[layer_id].head_dim) == (config.attention.num_heads, 24)
+            assert mla.cache_head_dim == 24 == max(mla.qk_head_dim, mla.v_head_dim)
         assert (layer.mlp_name == "block_sparse_moe") == config.is_moe_layer(layer_id)
 
 
@@ -157,7 +157,7 @@ def test_config_reads_the_released_layout():
                "kda_layers": [i for i in range(1, 27) if i % 4], "full_attn_layers": [4, 8, 12, 16, 20, 24, 27]}}
     c = ModelConfig.from_dict(raw)
     assert c.attention_layer_ids == (3, 7, 11, 15, 19, 23, 26) and c.num_linear_layers == 20
-    assert (c.attention.head_dim, c.attention.use_rope, c.attention.softmax_scale) == (256, False, 192**-0.5)
+    assert (c.attention.head_dim, c.attention.use_rope, c.attention.softmax_scale) == (192, False, 192**-0.5)
     assert c.mlp.moe_layer_ids == tuple(range(1, 27)) and c.mlp.num_experts == 256
     assert c.mlp.num_experts_per_tok == 8 and c.mlp.shared_expert_intermediate_size == 1024
     assert c.mlp.grouped_routing.scaling_factor == 2.446 and c.max_position_embeddings == 1048576

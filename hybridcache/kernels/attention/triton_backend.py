@@ -16,8 +16,15 @@ import torch
 
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels.registry import ATTENTION
-from hybridcache.kernels.shapes import ModelShapes, is_power_of_two
+from hybridcache.kernels.shapes import ModelShapes
 from hybridcache.kernels.varlen import chunk_indices, leading_decode_rows, num_chunks
+
+# The kernels take any head dim D up to this one (`triton_paged`: tiles D rounded up to a power of two wide, the lanes
+# past D masked). Past 256 the tiles would be 512 wide, and the bf16 prefill tile (128 queries x 64 keys, two
+# stages) would need 256 KiB of shared memory, over the 227 KiB a Hopper program may have (at 256: 128 KiB).
+MAX_HEAD_DIM = 256
+HEAD_DIM_LIMIT = ("the Triton attention kernels' tiles are the head dim rounded up to a power of two, and 512-wide "
+                  "ones would not fit a multiprocessor's shared memory")
 
 
 @dataclass(frozen=True)
@@ -47,11 +54,11 @@ class TritonAttention:
 
     @staticmethod
     def problems(shapes: ModelShapes) -> list[str]:
-        """The paged kernels' tiles span the whole head: its dim must be a power of two."""
+        """The paged kernels take any head dim up to MAX_HEAD_DIM (HEAD_DIM_LIMIT says why no more)."""
         dim = shapes.attention_head_dim
-        if dim is None or is_power_of_two(dim):
+        if dim is None or dim <= MAX_HEAD_DIM:
             return []
-        return [f"the attention head dim is {dim}, and the Triton attention kernels need a power of two"]
+        return [f"the attention head dim is {dim}, over {MAX_HEAD_DIM}: {HEAD_DIM_LIMIT}"]
 
     def prepare(self, batch: ForwardBatch) -> TritonAttentionMetadata:
         lens = batch.query_lens_cpu

@@ -21,6 +21,13 @@ covers the multiprocessors about twice; each sequence's own context is cut into 
 blocks on the device (a CUDA graph, captured for max_model_len, splits a 1,000-token context as finely as an
 eager step would, instead of leaving all of it to the first split).
 
+Any head dim D up to MAX_HEAD_DIM (`_head_lanes`): every tile spans D_PAD = D rounded up to a power of two lanes,
+those past D masked: their loads of q, keys and values give 0 (nothing added to the scores, output columns 0) and
+nothing is stored past D into the output or the fp32 partials (pool rows, q, out and partials are D wide). A
+power-of-two D fills its tiles: the mask is a constant True that the compiler drops, so those launches compile as
+unmasked ones (tests/kernels/test_hopper_compile.py checks that no lane compare is left). Head dim 24 (the hybrid
+families' tiny test configs) runs in 32-lane tiles, 80 in 128, 192 (Kimi Linear's MLA cache) in 256.
+
 fp32 inputs use IEEE fp32 dot products (not tf32), so fp32 runs match the reference to fp32 rounding.
 """
 
@@ -35,6 +42,7 @@ import triton
 import triton.language as tl
 
 from hybridcache.kernels import pdl
+from hybridcache.kernels.attention.triton_backend import HEAD_DIM_LIMIT, MAX_HEAD_DIM
 from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 
 _LOG2E = 1.4426950408889634
@@ -54,9 +62,10 @@ class PrefillConfig:
 
 
 def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
-    """Tiles for this head size and dtype. bf16: 128 x 64 with 8 warps, the fastest of four tilings benchmarked
-    at D = 256 (docs/bench.md, "Figures behind the code's choices"); fp32 tiles are twice as wide in bytes, so
-    smaller ones fit in shared memory."""
+    """Tiles for this head size (the tiles' width, a power of two: `paged_prefill_attention` passes the head dim
+    rounded up) and dtype. bf16: 128 x 64 with 8 warps, the fastest of four tilings benchmarked at D = 256
+    (docs/bench.md, "Figures behind the code's choices"); fp32 tiles are twice as wide in bytes, so smaller ones fit
+    in shared memory."""
     if dtype == torch.float32:
         return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
     return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
@@ -99,8 +108,19 @@ def write_kv(kv_pool: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv
 
 
 @triton.jit
+def _head_lanes(D: tl.constexpr, D_PAD: tl.constexpr):
+    """A head's lanes: dims [D_PAD] (D rounded up to a power of two) and which are real, dims < D; a constant True
+    when D == D_PAD, so the compiler drops every mask made of it (a power-of-two head compiles as unmasked)."""
+    dims = tl.arange(0, D_PAD)
+    if D == D_PAD:
+        return dims, tl.full([D_PAD], 1, tl.int1)
+    else:
+        return dims, dims < D
+
+
+@triton.jit
 def _attend_block(
-    acc, m_i, l_i, q, qk_scale, kv_ptr, bt_row_ptr, start, ctx, q_pos, dims, kv_head_off,
+    acc, m_i, l_i, q, qk_scale, kv_ptr, bt_row_ptr, start, ctx, q_pos, dims, dim_ok, kv_head_off,
     stride_kind, stride_page, stride_row,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
     MAY_BE_EMPTY: tl.constexpr = False,
@@ -108,13 +128,15 @@ def _attend_block(
     """One key block of the online softmax; scores in log2 units (qk_scale = softmax scale * log2 e, times k_scale
     for an FP8 pool, whose keys and values are read as stored and converted to q's dtype; v_scale is applied to
     the output by the caller). MAY_BE_EMPTY: a row may have seen no key yet after this block (a key split past
-    its position): its maximum stays -inf and its sums 0 instead of NaN."""
+    its position): its maximum stays -inf and its sums 0 instead of NaN. Lanes past the head dim (dim_ok False)
+    load 0: they add nothing to the scores, and their output columns stay 0."""
     keys_pos = start + tl.arange(0, BLOCK_N)
     key_ok = keys_pos < ctx
     page = tl.load(bt_row_ptr + keys_pos // PAGE, mask=key_ok, other=0).to(tl.int64)
     rows = page * stride_page + (keys_pos % PAGE).to(tl.int64) * stride_row + kv_head_off
-    k = tl.load(kv_ptr + rows[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0).to(q.dtype)
-    v = tl.load(kv_ptr + stride_kind + rows[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0).to(q.dtype)
+    lanes = key_ok[:, None] & dim_ok[None, :]
+    k = tl.load(kv_ptr + rows[:, None] + dims[None, :], mask=lanes, other=0.0).to(q.dtype)
+    v = tl.load(kv_ptr + stride_kind + rows[:, None] + dims[None, :], mask=lanes, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASK:
         ok = (keys_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
@@ -133,12 +155,13 @@ def _attend_block(
 @triton.jit
 def _query_block(
     q_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, pid_m, head, stride_qt, stride_qh, stride_bt,
-    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """A prefill program's query block (chunk table entry `pid_m`: its sequence and block of BLOCK_M queries) for
-    query head `head`: q [BLOCK_M, D], the rows' positions, their row indices and which are real, the sequence's
-    context length, its kv head offset and block-table row, `last` (one past the last key any row sees) and
-    `unmasked_end` (keys before it are <= every row's position, so need no causal mask)."""
+    query head `head`: q [BLOCK_M, D_PAD] (0 past D), the head's lanes and which are real (`_head_lanes`), the
+    rows' positions, their row indices and which are real, the sequence's context length, its kv head offset and
+    block-table row, `last` (one past the last key any row sees) and `unmasked_end` (keys before it are <= every
+    row's position, so need no causal mask)."""
     seq = tl.load(chunk_ptr + 2 * pid_m).to(tl.int64)
     block = tl.load(chunk_ptr + 2 * pid_m + 1)
     bos = tl.load(cu_ptr + seq).to(tl.int64)
@@ -148,50 +171,50 @@ def _query_block(
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence
     row_ok = rows < query_len
     q_pos = first_pos + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, D)
+    dims, dim_ok = _head_lanes(D, D_PAD)
     q = tl.load(q_ptr + (bos + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     kv_head_off = (head // GROUP).to(tl.int64) * D
     bt_row_ptr = bt_ptr + seq * stride_bt
     last = tl.minimum(first_pos + BLOCK_M, ctx)
     unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
-    return q, q_pos, dims, bos, rows, row_ok, ctx, kv_head_off, bt_row_ptr, last, unmasked_end
+    return q, q_pos, dims, dim_ok, bos, rows, row_ok, ctx, kv_head_off, bt_row_ptr, last, unmasked_end
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, kv_ptr, out_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kind, stride_page, stride_row, stride_bt,
-    GROUP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
-    q, q_pos, dims, bos, rows, row_ok, ctx, kv_head_off, bt_row_ptr, last, unmasked_end = _query_block(
-        q_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, pid_m, head, stride_qt, stride_qh, stride_bt, GROUP, D, BLOCK_M,
-        BLOCK_N)
+    q, q_pos, dims, dim_ok, bos, rows, row_ok, ctx, kv_head_off, bt_row_ptr, last, unmasked_end = _query_block(
+        q_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, pid_m, head, stride_qt, stride_qh, stride_bt, GROUP, D, D_PAD,
+        BLOCK_M, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     for start in range(0, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, qk_scale, kv_ptr, bt_row_ptr, start, ctx, q_pos, dims,
-                                      kv_head_off, stride_kind, stride_page, stride_row, PAGE, BLOCK_N, False,
+                                      dim_ok, kv_head_off, stride_kind, stride_page, stride_row, PAGE, BLOCK_N, False,
                                       PRECISION)
     for start in range(unmasked_end, last, BLOCK_N):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, qk_scale, kv_ptr, bt_row_ptr, start, ctx, q_pos, dims,
-                                      kv_head_off, stride_kind, stride_page, stride_row, PAGE, BLOCK_N, True,
+                                      dim_ok, kv_head_off, stride_kind, stride_page, stride_row, PAGE, BLOCK_N, True,
                                       PRECISION)
     out = acc / l_i[:, None] * v_scale
     tl.store(out_ptr + (bos + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _prefill_split_kernel(
     q_ptr, kv_ptr, acc_ptr, ml_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, qk_scale, v_scale, num_splits,
     stride_qt, stride_qh, stride_kind, stride_page, stride_row, stride_bt,
-    GROUP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """`_prefill_kernel` over one of `num_splits` key ranges (program axis 2): the key blocks a query block sees,
     [0, last), cut into equal runs of whole blocks from the device lengths (so a graph captured for a long context
@@ -201,26 +224,26 @@ def _prefill_split_kernel(
     head = tl.program_id(1)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1)
-    q, q_pos, dims, bos, rows, row_ok, ctx, kv_head_off, bt_row_ptr, last, unmasked_end = _query_block(
-        q_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, pid_m, head, stride_qt, stride_qh, stride_bt, GROUP, D, BLOCK_M,
-        BLOCK_N)
+    q, q_pos, dims, dim_ok, bos, rows, row_ok, ctx, kv_head_off, bt_row_ptr, last, unmasked_end = _query_block(
+        q_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, pid_m, head, stride_qt, stride_qh, stride_bt, GROUP, D, D_PAD,
+        BLOCK_M, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     split_len = tl.cdiv(tl.cdiv(last, BLOCK_N), num_splits) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, last)
     for start in range(lo, tl.minimum(unmasked_end, hi), BLOCK_N):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, qk_scale, kv_ptr, bt_row_ptr, start, ctx, q_pos, dims,
-                                      kv_head_off, stride_kind, stride_page, stride_row, PAGE, BLOCK_N, False,
+                                      dim_ok, kv_head_off, stride_kind, stride_page, stride_row, PAGE, BLOCK_N, False,
                                       PRECISION, True)
     for start in range(tl.maximum(unmasked_end, lo), hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, qk_scale, kv_ptr, bt_row_ptr, start, ctx, q_pos, dims,
-                                      kv_head_off, stride_kind, stride_page, stride_row, PAGE, BLOCK_N, True,
+                                      dim_ok, kv_head_off, stride_kind, stride_page, stride_row, PAGE, BLOCK_N, True,
                                       PRECISION, True)
     # partials: acc [T, Hq, splits, D], (m, l) [T, Hq, splits, 2]
     part = ((bos + rows) * num_heads + head) * num_splits + split
-    tl.store(acc_ptr + part[:, None] * D + dims[None, :], acc * v_scale, mask=row_ok[:, None])
+    tl.store(acc_ptr + part[:, None] * D + dims[None, :], acc * v_scale, mask=row_ok[:, None] & dim_ok[None, :])
     tl.store(ml_ptr + part * 2, m_i, mask=row_ok)
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
@@ -229,8 +252,8 @@ def _prefill_split_kernel(
 def _decode_split_kernel(
     q_ptr, kv_ptr, acc_ptr, ml_ptr, bt_ptr, ctx_ptr, qk_scale, v_scale,
     stride_qn, stride_qh, stride_kind, stride_page, stride_row, stride_bt,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One (sequence, kv head, split) program: the split-th of num_splits equal runs of whole key blocks of this
@@ -249,27 +272,27 @@ def _decode_split_kernel(
     group = tl.arange(0, BLOCK_G)
     group_ok = group < GROUP
     heads = kv_head * GROUP + group
-    dims = tl.arange(0, D)
-    q = tl.load(q_ptr + seq * stride_qn + heads[:, None] * stride_qh + dims[None, :], mask=group_ok[:, None],
-                other=0.0)
+    dims, dim_ok = _head_lanes(D, D_PAD)
+    q = tl.load(q_ptr + seq * stride_qn + heads[:, None] * stride_qh + dims[None, :],
+                mask=group_ok[:, None] & dim_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, D_PAD], dtype=tl.float32)
     q_pos = tl.full([BLOCK_G], 0, dtype=tl.int32) + ctx - 1
     for start in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, qk_scale, kv_ptr, bt_ptr + seq * stride_bt, start, hi,
-                                      q_pos, dims, kv_head.to(tl.int64) * D, stride_kind, stride_page, stride_row,
-                                      PAGE, BLOCK_N, True, PRECISION)
+                                      q_pos, dims, dim_ok, kv_head.to(tl.int64) * D, stride_kind, stride_page,
+                                      stride_row, PAGE, BLOCK_N, True, PRECISION)
     # partials: acc [N, Hq, splits, D], (m, l) [N, Hq, splits, 2]
     part = (seq * num_kv_heads * GROUP + heads) * num_splits + split
-    tl.store(acc_ptr + part[:, None] * D + dims[None, :], acc * v_scale, mask=group_ok[:, None])
+    tl.store(acc_ptr + part[:, None] * D + dims[None, :], acc * v_scale, mask=group_ok[:, None] & dim_ok[None, :])
     tl.store(ml_ptr + part * 2, m_i, mask=group_ok)
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=group_ok)
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # with a fixed BLOCK_S: one variant for every split count
 def _decode_merge_kernel(acc_ptr, ml_ptr, out_ptr, stride_on, stride_oh, num_heads, num_splits,
-                         D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+                         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s (empty splits: m = -inf)."""
     pdl.start(PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -281,14 +304,15 @@ def _decode_merge_kernel(acc_ptr, ml_ptr, out_ptr, stride_on, stride_oh, num_hea
         m_max = tl.maximum(m_max, tl.load(ml_ptr + (base + splits) * 2, mask=splits < num_splits,
                                           other=float("-inf")))
     top = tl.max(m_max, axis=0)
-    dims = tl.arange(0, D)
-    num = tl.zeros([D], dtype=tl.float32)
-    den = tl.zeros([D], dtype=tl.float32)  # the same in every lane; a vector keeps the loop types fixed
+    dims, dim_ok = _head_lanes(D, D_PAD)
+    num = tl.zeros([D_PAD], dtype=tl.float32)
+    den = tl.zeros([D_PAD], dtype=tl.float32)  # the same in every lane; a vector keeps the loop types fixed
     for split in range(0, num_splits):
         weight = tl.exp2(tl.load(ml_ptr + (base + split) * 2) - top)
         den += weight * tl.load(ml_ptr + (base + split) * 2 + 1)
-        num += weight * tl.load(acc_ptr + (base + split) * D + dims)
-    tl.store(out_ptr + seq * stride_on + head * stride_oh + dims, (num / den).to(out_ptr.dtype.element_ty))
+        num += weight * tl.load(acc_ptr + (base + split) * D + dims, mask=dim_ok, other=0.0)
+    tl.store(out_ptr + seq * stride_on + head * stride_oh + dims, (num / den).to(out_ptr.dtype.element_ty),
+             mask=dim_ok)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -300,10 +324,23 @@ def _check(q: torch.Tensor, kv_pool: torch.Tensor) -> None:
     if kv_pool.dtype not in (q.dtype, torch.float8_e4m3fn):
         raise ValueError(f"kv_pool must be in q's dtype {q.dtype} or float8_e4m3fn, got {kv_pool.dtype}")
     head_dim = q.shape[-1]
-    if head_dim & (head_dim - 1) or kv_pool.shape[-1] != head_dim:
-        raise ValueError(f"head dim must be a power of two and match the pool, got {head_dim}")
+    if kv_pool.shape[-1] != head_dim:
+        raise ValueError(f"q's head dim {head_dim} must match the pool's {kv_pool.shape[-1]}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {head_dim} is over {MAX_HEAD_DIM}: {HEAD_DIM_LIMIT}")
     if q.stride(-1) != 1 or not kv_pool.is_contiguous():
         raise ValueError("q needs unit stride on its last dim and kv_pool must be contiguous")
+
+
+def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The attention's output: `out` when given (q's shape and dtype, unit stride on D, any other strides; only its
+    [.., :D] entries are written), else a new tensor like q."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {list(q.shape)} in {q.dtype} with unit stride on its last dim, got "
+                         f"{list(out.shape)} in {out.dtype}")
+    return out
 
 
 def paged_prefill_attention(
@@ -319,6 +356,7 @@ def paged_prefill_attention(
     chunk_indices: torch.Tensor | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
     num_splits: int = 1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention: q [T, Hq, D] -> [T, Hq, D] in q's dtype (new K/V already in the pool).
 
@@ -329,16 +367,18 @@ def paged_prefill_attention(
     num_splits > 1: each (query block, head) program's keys are cut into that many runs, each its own program
     (`_prefill_split_kernel`), and the partial softmax sums merged per row (`_decode_merge_kernel`): short queries
     over a long context fill the multiprocessors (`prefill_splits` picks the count).
+    out: written instead of a new tensor (`_output`).
     """
     _check(q, kv_pool)
     num_tokens, num_heads, head_dim = q.shape
-    out = torch.empty_like(q)
+    out = _output(q, out)
     if num_tokens == 0:
         return out
-    cfg = config or default_prefill_config(head_dim, q.dtype)
+    d_pad = triton.next_power_of_2(head_dim)
+    cfg = config or default_prefill_config(d_pad, q.dtype)
     table = make_chunk_indices(cu_seqlens, query_lens_cpu, cfg.block_m) if chunk_indices is None else chunk_indices
-    geometry = dict(GROUP=num_heads // kv_pool.shape[3], PAGE=kv_pool.shape[2], D=head_dim, BLOCK_M=cfg.block_m,
-                    BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype), num_warps=cfg.num_warps,
+    geometry = dict(GROUP=num_heads // kv_pool.shape[3], PAGE=kv_pool.shape[2], D=head_dim, D_PAD=d_pad,
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype), num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages)
     if num_splits <= 1:
         _prefill_kernel[(table.shape[0], num_heads)](
@@ -355,8 +395,8 @@ def paged_prefill_attention(
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0), **geometry,
     )
     _decode_merge_kernel[(num_tokens, num_heads)](
-        partial, ml, out, out.stride(0), out.stride(1), num_heads, num_splits, D=head_dim, BLOCK_S=_MERGE_BLOCK_S,
-        **pdl.options(partial),
+        partial, ml, out, out.stride(0), out.stride(1), num_heads, num_splits, D=head_dim, D_PAD=d_pad,
+        BLOCK_S=_MERGE_BLOCK_S, **pdl.options(partial),
     )
     return out
 
@@ -433,21 +473,17 @@ def paged_decode_attention(
     max_context_len: the largest context_len, from the host (sets the number of splits; an upper bound will do).
     kv_pool in q's dtype, or float8_e4m3fn read as stored x kv_scales (k_scale, v_scale). launch: the split kernel's
     launch (None: the default `DecodeLaunch`; `benchmarks/attention_decode_sweep.py` times others). out: written
-    instead of a new tensor (q's shape and dtype, unit stride on D: a mixed step's leading rows of the prefill
-    kernel's output, `triton_backend`).
+    instead of a new tensor (`_output`; a mixed step's leading rows of the prefill kernel's output, `triton_backend`).
     """
     _check(q, kv_pool)
     num, num_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[3]
     group = num_heads // num_kv_heads
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {list(q.shape)} in {q.dtype} with unit stride on its last dim, got "
-                         f"{list(out.shape)} in {out.dtype}")
+    out = _output(q, out)
     if num == 0:
         return out
     launch = launch or DecodeLaunch()
+    d_pad = triton.next_power_of_2(head_dim)
     if q.dtype == torch.float32:
         block_n = min(block_n, 32)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 64
@@ -458,12 +494,12 @@ def paged_decode_attention(
         q, kv_pool, partial, ml, block_tables, context_lens, scale * _LOG2E * kv_scales[0], kv_scales[1],
         q.stride(0), q.stride(1), kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE=kv_pool.shape[2], D=head_dim,
-        BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=launch.num_warps, num_stages=launch.num_stages,
-        **pdl.options(q),
+        D_PAD=d_pad, BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=launch.num_warps,
+        num_stages=launch.num_stages, **pdl.options(q),
     )
     _decode_merge_kernel[(num, num_heads)](
         partial, ml, out, out.stride(0), out.stride(1), num_heads, num_splits,
-        D=head_dim, BLOCK_S=_MERGE_BLOCK_S,
+        D=head_dim, D_PAD=d_pad, BLOCK_S=_MERGE_BLOCK_S,
         **pdl.options(partial),
     )
     return out

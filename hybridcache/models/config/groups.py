@@ -101,9 +101,9 @@ class MLAConfig:
 
     @property
     def cache_head_dim(self) -> int:
-        """The head dim of the paged KV: the wider of the key and value heads, rounded up to a power of two (the
-        CUDA paged-attention kernel's need; 192 -> 256 for the released models)."""
-        return 1 << (max(self.qk_head_dim, self.v_head_dim) - 1).bit_length()
+        """The head dim of the paged KV: the wider of the key and value heads (192 for the released models: keys
+        of 128 + 64, values of 128 zero-padded to them); the attention kernels take any head dim."""
+        return max(self.qk_head_dim, self.v_head_dim)
 
 
 @dataclass(frozen=True)
