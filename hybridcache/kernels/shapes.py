@@ -29,10 +29,6 @@ class UnsupportedModelError(ValueError):
     """A model whose shapes a kernel backend cannot run; the message names the backend and every reason."""
 
 
-def is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def refuse(backend: str, problems: list[str]) -> None:
     """Raise `UnsupportedModelError` listing `problems` (what `backend` cannot run); nothing when there are none."""
     if problems:
