@@ -125,6 +125,19 @@ def test_split_forward_equals_unsplit_on_cpu(model_dir):
             for a, b in zip(unsplit_pools, split_pools, strict=True):
                 torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
+def test_cuda_backend_takes_the_folder(model_dir):
+    """On any machine: the CUDA backend's load-time checks (its own kernels' and the Triton attention backend's,
+    `kernels.shapes.check_cuda_model`) accept this tiny folder, so the CUDA test below runs the engine instead of
+    stopping at a refusal (an H100 run found the families' head dim 24 refused; `make_engine` caps max_model_len at
+    the CUDA options' pool, which Kimi's 1,048,576 tokens overran)."""
+    from hybridcache.engine.rank_runner import model_shapes
+    from hybridcache.kernels.attention.triton_backend import TritonAttention
+    from hybridcache.kernels.shapes import check_cuda_model
+
+    config = ModelConfig.from_model_dir(model_dir)
+    check_cuda_model(model_shapes(config), TritonAttention)  # raises UnsupportedModelError naming each reason
+
+
 @needs_cuda_engine
 def test_cuda_fp32_cached_run_equals_uncached_run(model_dir):
     """On CUDA (the Mamba2 scan on fla's kernels, Mamba1's on the torch reference, the conv and attention on theirs)

@@ -20,6 +20,7 @@ from tests.models.nemotron_helpers import nemotron_model
 
 from .hybrid_family_checks import (
     test_cached_run_equals_uncached_run,  # noqa: F401 - on `model_dir` here
+    test_cuda_backend_takes_the_folder,  # noqa: F401 - on `model_dir` here
     write_tiny_folder,
 )
 from .markers import needs_cuda_engine

@@ -10,6 +10,7 @@ from tests.models.lfm2_helpers import lfm2_model
 
 from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
     test_cached_run_equals_uncached_run,
+    test_cuda_backend_takes_the_folder,
     test_cuda_fp32_cached_run_equals_uncached_run,
     test_llm_generate_with_and_without_the_prefix_cache,
     test_options_that_do_not_apply_are_clear_errors,
