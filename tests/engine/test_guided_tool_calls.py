@@ -35,7 +35,7 @@ def cache_and_tokenizer() -> tuple[GrammarCache, Tokenizer]:
     return GrammarCache(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id]), tokenizer
 
 
-def _accepts(cache_and_tokenizer: tuple[GrammarCache, Tokenizer], spec: GuidedSpec, text: str) -> bool:
+def accepts(cache_and_tokenizer: tuple[GrammarCache, Tokenizer], spec: GuidedSpec, text: str) -> bool:
     """Whether `spec`'s grammar takes exactly `text` (its tokens, then EOS)."""
     cache, tokenizer = cache_and_tokenizer
     matcher = cache.matcher(spec)
@@ -50,12 +50,12 @@ def test_required_allows_several_calls_only_with_parallel_tool_calls(cache_and_t
     allowed. With parallel calls it is one or more blocks, a newline between two (as Qwen's templates write
     them); without, exactly one."""
     spec = tool_choice_spec([WEATHER, TIME], "required", parallel_tool_calls=parallel)
-    assert _accepts(cache_and_tokenizer, spec, ONE)
-    assert _accepts(cache_and_tokenizer, spec, TWO) is parallel
-    assert _accepts(cache_and_tokenizer, spec, THREE) is parallel
-    assert not _accepts(cache_and_tokenizer, spec, "")
-    assert not _accepts(cache_and_tokenizer, spec, ONE + ONE)  # (no newline between)
-    assert not _accepts(cache_and_tokenizer, spec, ONE + "\n")
+    assert accepts(cache_and_tokenizer, spec, ONE)
+    assert accepts(cache_and_tokenizer, spec, TWO) is parallel
+    assert accepts(cache_and_tokenizer, spec, THREE) is parallel
+    assert not accepts(cache_and_tokenizer, spec, "")
+    assert not accepts(cache_and_tokenizer, spec, ONE + ONE)  # (no newline between)
+    assert not accepts(cache_and_tokenizer, spec, ONE + "\n")
 
 
 @needs_xgrammar
@@ -64,13 +64,13 @@ def test_a_named_function_is_one_call_and_parallel_is_part_of_the_spec(cache_and
     one-call grammar are distinct specs (cached apart), also once a reasoning marker starts them."""
     named = {"type": "function", "function": {"name": "get_weather"}}
     spec = tool_choice_spec([WEATHER, TIME], named, parallel_tool_calls=True)
-    assert _accepts(cache_and_tokenizer, spec, ONE)
-    assert not _accepts(cache_and_tokenizer, spec, ONE + "\n" + ONE)
+    assert accepts(cache_and_tokenizer, spec, ONE)
+    assert not accepts(cache_and_tokenizer, spec, ONE + "\n" + ONE)
     several = GuidedSpec.tool_calls([WEATHER], parallel=True)
     one = GuidedSpec.tool_calls([WEATHER])
     assert several != one and hash(several) != hash(one)
-    assert _accepts(cache_and_tokenizer, several, ONE + "\n" + ONE)
-    assert not _accepts(cache_and_tokenizer, one, ONE + "\n" + ONE)
+    assert accepts(cache_and_tokenizer, several, ONE + "\n" + ONE)
+    assert not accepts(cache_and_tokenizer, one, ONE + "\n" + ONE)
     cache, _ = cache_and_tokenizer
     gated = dataclasses.replace(several, starts_after="</think>")
     assert cache._compile(gated) is cache._compile(several) is not cache._compile(one)
@@ -121,16 +121,16 @@ def test_the_list_formats_force_one_list_of_calls(cache_and_tokenizer, backend, 
     tools, first, second = BACKENDS[backend]
     spec = GuidedSpec.tool_calls(tools, parallel=parallel, tool_format=tool_format)
     assert spec != GuidedSpec.tool_calls(tools, parallel=parallel)  # (cached apart from the Qwen grammar)
-    assert _accepts(cache_and_tokenizer, spec, _listed(tool_format, first))
-    assert _accepts(cache_and_tokenizer, spec, _listed(tool_format, first, second)) is parallel
+    assert accepts(cache_and_tokenizer, spec, _listed(tool_format, first))
+    assert accepts(cache_and_tokenizer, spec, _listed(tool_format, first, second)) is parallel
     qwen = "<tool_call>\n" + json.dumps({"name": first[0], "arguments": first[1]}) + "\n</tool_call>"
-    assert not _accepts(cache_and_tokenizer, spec, qwen)
+    assert not accepts(cache_and_tokenizer, spec, qwen)
     other = next(name for name in LIST_FORMATS if name != tool_format)
-    assert not _accepts(cache_and_tokenizer, spec, _listed(other, first))
-    assert not _accepts(cache_and_tokenizer, spec, "".join(LIST_FORMATS[tool_format]).replace("><", ">[]<"))
-    assert not _accepts(cache_and_tokenizer, spec, _listed(tool_format, first) + "\n")
+    assert not accepts(cache_and_tokenizer, spec, _listed(other, first))
+    assert not accepts(cache_and_tokenizer, spec, "".join(LIST_FORMATS[tool_format]).replace("><", ">[]<"))
+    assert not accepts(cache_and_tokenizer, spec, _listed(tool_format, first) + "\n")
     if backend == "llguidance":  # (the schema is enforced inside the list too)
-        assert not _accepts(cache_and_tokenizer, spec, _listed(tool_format, ("step", {"n": 7})))
+        assert not accepts(cache_and_tokenizer, spec, _listed(tool_format, ("step", {"n": 7})))
 
 
 def test_an_unknown_tool_format_is_refused():
@@ -156,23 +156,23 @@ def test_kimis_format_forces_one_section_of_numbered_calls(cache_and_tokenizer, 
         pytest.importorskip("llguidance")
     tools, first, second = BACKENDS[backend]
     spec = GuidedSpec.tool_calls(tools, parallel=parallel, tool_format="kimi")
-    assert _accepts(cache_and_tokenizer, spec, _section(first))
-    assert _accepts(cache_and_tokenizer, spec, _section(first, second)) is parallel
-    assert _accepts(cache_and_tokenizer, spec, _section(*[first] * guided_kimi.MAX_CALLS)) is parallel
-    assert not _accepts(cache_and_tokenizer, spec, _section(*[first] * (guided_kimi.MAX_CALLS + 1)))
-    assert not _accepts(cache_and_tokenizer, spec, _section(first, first_index=1))  # (ids count from 0)
-    assert not _accepts(cache_and_tokenizer, spec, _section(first, second).replace(":1<", ":0<"))
-    assert not _accepts(cache_and_tokenizer, spec, _section(first).replace("><", ">\n<"))  # (no white space)
-    assert not _accepts(cache_and_tokenizer, spec, _section(first).replace("functions.", ""))
-    assert not _accepts(cache_and_tokenizer, spec, _section(first) + "\n")
-    assert not _accepts(cache_and_tokenizer, spec, "<tool_call>\n" + json.dumps(
+    assert accepts(cache_and_tokenizer, spec, _section(first))
+    assert accepts(cache_and_tokenizer, spec, _section(first, second)) is parallel
+    assert accepts(cache_and_tokenizer, spec, _section(*[first] * guided_kimi.MAX_CALLS)) is parallel
+    assert not accepts(cache_and_tokenizer, spec, _section(*[first] * (guided_kimi.MAX_CALLS + 1)))
+    assert not accepts(cache_and_tokenizer, spec, _section(first, first_index=1))  # (ids count from 0)
+    assert not accepts(cache_and_tokenizer, spec, _section(first, second).replace(":1<", ":0<"))
+    assert not accepts(cache_and_tokenizer, spec, _section(first).replace("><", ">\n<"))  # (no white space)
+    assert not accepts(cache_and_tokenizer, spec, _section(first).replace("functions.", ""))
+    assert not accepts(cache_and_tokenizer, spec, _section(first) + "\n")
+    assert not accepts(cache_and_tokenizer, spec, "<tool_call>\n" + json.dumps(
         {"name": first[0], "arguments": first[1]}) + "\n</tool_call>")
-    assert not _accepts(cache_and_tokenizer, spec, _section((first[0], {"name": first[0], "arguments": first[1]})))
+    assert not accepts(cache_and_tokenizer, spec, _section((first[0], {"name": first[0], "arguments": first[1]})))
     if backend == "xgrammar":  # (a function's arguments are checked against its own schema)
-        assert not _accepts(cache_and_tokenizer, spec, _section(("get_time", {"city": "Paris"})))
-        assert not _accepts(cache_and_tokenizer, spec, _section(("get_weather", {})))
+        assert not accepts(cache_and_tokenizer, spec, _section(("get_time", {"city": "Paris"})))
+        assert not accepts(cache_and_tokenizer, spec, _section(("get_weather", {})))
     else:
-        assert not _accepts(cache_and_tokenizer, spec, _section(("step", {"n": 7})))
+        assert not accepts(cache_and_tokenizer, spec, _section(("step", {"n": 7})))
 
 
 @needs_xgrammar
@@ -185,7 +185,7 @@ def test_kimis_section_reads_back_as_the_calls_it_forces(cache_and_tokenizer, ba
         pytest.importorskip("llguidance")
     tools, first, second = BACKENDS[backend]
     text = _section(first, second)
-    assert _accepts(cache_and_tokenizer, GuidedSpec.tool_calls(tools, parallel=True, tool_format="kimi"), text)
+    assert accepts(cache_and_tokenizer, GuidedSpec.tool_calls(tools, parallel=True, tool_format="kimi"), text)
     parsed = parse_tool_calls(text, tools, "kimi_k2")
     assert [(c.id, c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
         (f"functions.{first[0]}:0", *first), (f"functions.{second[0]}:1", *second)]

@@ -17,7 +17,8 @@ from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.server.structured import tool_choice_spec
 from hybridcache.server.tool_parsers import parse_tool_calls
 from hybridcache.tokenizer import Tokenizer
-from tests.engine import needs_xgrammar
+from tests.engine import needs_xgrammar, test_guided_tool_calls
+from tests.engine.test_guided_tool_calls import accepts
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {
@@ -53,19 +54,7 @@ CALLS = [
     ("get_weather()", False),
 ]
 
-
-@pytest.fixture(scope="module")
-def cache_and_tokenizer() -> tuple[GrammarCache, Tokenizer]:
-    tokenizer = Tokenizer(ensure_builtin_model())
-    return GrammarCache(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id]), tokenizer
-
-
-def _accepts(cache_and_tokenizer: tuple[GrammarCache, Tokenizer], spec: GuidedSpec, text: str) -> bool:
-    """Whether `spec`'s grammar takes exactly `text` (its tokens, then EOS)."""
-    cache, tokenizer = cache_and_tokenizer
-    matcher = cache.matcher(spec)
-    return all(matcher.accept_token(t) for t in tokenizer.encode(text)) and matcher.accept_token(
-        tokenizer.eos_token_id) and matcher.is_terminated()
+cache_and_tokenizer = test_guided_tool_calls.cache_and_tokenizer  # the fixture, shared
 
 
 def _written(tool_format: str, *calls: str) -> str:
@@ -80,7 +69,7 @@ def test_the_grammar_takes_python_calls_valid_for_the_schema_and_the_parser_read
     spec = GuidedSpec.tool_calls(TOOLS, parallel=False, tool_format=tool_format)
     for call, taken in CALLS:
         text = _written(tool_format, call)
-        assert _accepts(cache_and_tokenizer, spec, text) is taken, text
+        assert accepts(cache_and_tokenizer, spec, text) is taken, text
         if taken:
             parsed = parse_tool_calls(text, TOOLS, tool_format)
             assert parsed.content == "" and len(parsed.tool_calls) == 1, text
@@ -93,14 +82,14 @@ def test_the_grammar_takes_python_calls_valid_for_the_schema_and_the_parser_read
 def test_several_calls_only_with_parallel_calls_in_the_formats_wrapper(cache_and_tokenizer, tool_format, parallel):
     spec = GuidedSpec.tool_calls(TOOLS, parallel=parallel, tool_format=tool_format)
     one, two = 'get_weather(city="Paris")', "get_time()"
-    assert _accepts(cache_and_tokenizer, spec, _written(tool_format, one, two)) is parallel
-    assert _accepts(cache_and_tokenizer, spec, _written(tool_format, one, two, one)) is parallel
-    assert not _accepts(cache_and_tokenizer, spec, _written(tool_format))
-    assert not _accepts(cache_and_tokenizer, spec, one)  # (the wrapper is the format's)
+    assert accepts(cache_and_tokenizer, spec, _written(tool_format, one, two)) is parallel
+    assert accepts(cache_and_tokenizer, spec, _written(tool_format, one, two, one)) is parallel
+    assert not accepts(cache_and_tokenizer, spec, _written(tool_format))
+    assert not accepts(cache_and_tokenizer, spec, one)  # (the wrapper is the format's)
     for other in PYTHON_FORMATS:
         if PYTHON_FORMATS[other][0] != PYTHON_FORMATS[tool_format][0]:
-            assert not _accepts(cache_and_tokenizer, spec, _written(other, one))
-    assert not _accepts(cache_and_tokenizer, spec, _written(tool_format, one) + "\n")
+            assert not accepts(cache_and_tokenizer, spec, _written(other, one))
+    assert not accepts(cache_and_tokenizer, spec, _written(tool_format, one) + "\n")
     parsed = parse_tool_calls(_written(tool_format, one, two), TOOLS, tool_format)
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", {"city": "Paris"}),
                                                                              ("get_time", {})]
@@ -111,9 +100,9 @@ def test_a_named_function_is_that_functions_call_only(cache_and_tokenizer):
     named = {"type": "function", "function": {"name": "get_time"}}
     spec = tool_choice_spec(TOOLS, named, parallel_tool_calls=True)
     spec = GuidedSpec.tool_calls(json.loads(spec.spec), parallel=spec.parallel, tool_format="lfm2")
-    assert _accepts(cache_and_tokenizer, spec, _written("lfm2", "get_time()"))
-    assert not _accepts(cache_and_tokenizer, spec, _written("lfm2", 'get_weather(city="P")'))
-    assert not _accepts(cache_and_tokenizer, spec, _written("lfm2", "get_time()", "get_time()"))
+    assert accepts(cache_and_tokenizer, spec, _written("lfm2", "get_time()"))
+    assert not accepts(cache_and_tokenizer, spec, _written("lfm2", 'get_weather(city="P")'))
+    assert not accepts(cache_and_tokenizer, spec, _written("lfm2", "get_time()", "get_time()"))
 
 
 @needs_xgrammar
@@ -124,10 +113,10 @@ def test_behind_the_reasoning_gate_the_reasoning_is_free_and_the_call_forced_aft
     then the call in the format; a reasoning that is never closed is never done."""
     spec = dataclasses.replace(GuidedSpec.tool_calls(TOOLS, tool_format=tool_format), starts_after="</think>")
     call = _written(tool_format, "get_time()")
-    assert _accepts(cache_and_tokenizer, spec, "plan: call get_time(x=1) <tool_call>\n</think>" + call)
-    assert not _accepts(cache_and_tokenizer, spec, "plan\n</think>get_time(x=1)")
-    assert not _accepts(cache_and_tokenizer, spec, "plan\n</think>" + _written(tool_format, "get_time(x=1)"))
-    assert not _accepts(cache_and_tokenizer, spec, "plan " + call)  # (the grammar never started)
+    assert accepts(cache_and_tokenizer, spec, "plan: call get_time(x=1) <tool_call>\n</think>" + call)
+    assert not accepts(cache_and_tokenizer, spec, "plan\n</think>get_time(x=1)")
+    assert not accepts(cache_and_tokenizer, spec, "plan\n</think>" + _written(tool_format, "get_time(x=1)"))
+    assert not accepts(cache_and_tokenizer, spec, "plan " + call)  # (the grammar never started)
 
 
 @needs_xgrammar
