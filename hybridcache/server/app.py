@@ -412,23 +412,29 @@ class _Routes:
         if guided is not None and split_reasoning and in_reasoning:  # as vLLM: the answer is constrained, not the
             guided = replace(guided, starts_after=reasoning.THINK_END)  # reasoning before it
         params = body.sampling_params(max_tokens, guided, defaults)
-        # the parser's tags are special tokens: decoded, kept for it, and the other special tokens taken out
-        strip_tokens = strippable(self.special_texts, calls_format.tags) \
-            if parse_tools and params.skip_special_tokens else None
+        # the tool parser's tags (or the reasoning parser's section tags) are special tokens: decoded, kept for the
+        # parsers, and the other special tokens taken out; section tags the tool parser does not read are kept for
+        # the reasoning split only, then taken out of the content (special_tokens.py)
+        sections = self.config.reasoning_parser.call_sections if split_reasoning else ()
+        parsed_tags = calls_format.tags if parse_tools else ()
+        strip_tokens = strippable(self.special_texts, (*parsed_tags, *sections)) \
+            if params.skip_special_tokens else None
         if strip_tokens is not None:
             params = replace(params, skip_special_tokens=False)
+        split_only = tuple(tag for tag in sections if tag not in parsed_tags) if strip_tokens is not None else ()
         await self.compile_constraint(params, body)
         forced = "named" if isinstance(tool_choice, dict) else "required" if tool_choice == "required" else "auto"
         chat = ChatOutputOptions(
             split_reasoning=split_reasoning,
             in_reasoning=in_reasoning,
-            call_sections=self.config.reasoning_parser.call_sections if split_reasoning else (),
+            call_sections=sections,
             include_reasoning=body.include_reasoning,
             think_markers=self.think_markers,
             parse_tools=parse_tools,
             tools=tools,
             tool_call_parser=self.config.tool_call_parser,
             strip_tokens=strip_tokens or (),
+            split_only_tags=split_only,
             tool_choice=forced,
             parallel_tool_calls=body.parallel_tool_calls,
             echo=body.echo_text(),
