@@ -41,6 +41,7 @@ import concurrent.futures
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -156,6 +157,7 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
         if config.api_key is None and not config.binds_loopback_only():
             logger.warning(NO_KEY_WARNING, config.host)
         engine_loop.start()
+        routes.prepare_grammars()
         freeze_gc_heap()
         yield
         # (on a thread of its own: never queued behind requests' work, nor behind asyncio's default executor)
@@ -296,6 +298,22 @@ class _Routes:
         self.media_pool = concurrent.futures.ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="hybridcache-media")
         self.grammar_pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS,
                                                                   thread_name_prefix="hybridcache-grammar")
+
+    def prepare_grammars(self) -> None:
+        """Start `GrammarCache.prepare` (the structured-output libraries' imports and tokenizers, seconds) on a thread
+        of its own, at start-up: neither /health nor the engine waits for it, and a request that compiles a grammar
+        meanwhile waits for the build it needs rather than starting its own. Nothing without a grammar cache."""
+        if self.grammars is not None:
+            threading.Thread(target=self._prepare_grammars, args=(self.grammars,), name="hybridcache-grammar-prepare",
+                             daemon=True).start()
+
+    @staticmethod
+    def _prepare_grammars(grammars: GrammarCache) -> None:
+        try:
+            grammars.prepare()
+        except Exception:  # noqa: BLE001 - the first constrained request then builds what it needs (and says why not)
+            logger.warning("preparing structured output at start-up failed; the first constrained request will try "
+                           "again", exc_info=True)
 
     async def in_pool(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the tokenizer threads, off the event loop: a request's CPU work (decoding and validating
