@@ -14,11 +14,13 @@ specs into matchers for one tokenizer (both libraries' behind one interface: `ac
 matcher, so the grammar state forks: every completion advances only by its own tokens. The sampler applies
 `fill_bitmask`'s allowed-token bitmask; the engine calls `accept` with each sampled token.
 
-xgrammar and llguidance are imported only when a constrained request needs them (the `guided` extra).
+xgrammar and llguidance are imported when a constrained request needs them, or by `GrammarCache.prepare`, which
+the server runs at start-up on a thread of its own (the `guided` extra; a library that does not import is skipped).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import re
@@ -136,7 +138,18 @@ class GrammarCache:
         self._compiled: OrderedDict[GuidedSpec, Any] = OrderedDict()
         self._limit_bytes = limit_bytes
         self.num_bytes = 0  # the compiled grammars kept
-        self._lock = threading.Lock()  # guards `_compiled`, `num_bytes` and the making of `_compiler`
+        self._lock = threading.Lock()  # guards `_compiled` and `num_bytes`
+        self._compiler_lock = threading.Lock()  # guards the making of `_compiler` (never under `_lock`)
+
+    def prepare(self) -> None:
+        """Build now what compiling builds on first use, for each library that imports: xgrammar's tokenizer info
+        and compiler, llguidance's import and tokenizer (seconds: the first request that compiles a grammar would
+        wait for them). A compile that needs one while it is being built waits for that build (each is made under
+        a lock of its own), so the server runs this at start-up on a thread of its own (`app.build_app`)."""
+        with contextlib.suppress(GuidedUnavailable):
+            self._tokenizer_compiler(_xgrammar())
+        with contextlib.suppress(LLGuidanceMissing):
+            self._fallback.prepare()
 
     def check(self, spec: GuidedSpec) -> None:
         """Compile `spec` now (and keep it); raises ValueError (bad schema, regex or grammar, or a schema keyword
@@ -223,7 +236,7 @@ class GrammarCache:
         return compiled
 
     def _tokenizer_compiler(self, xgr: Any) -> Any:
-        with self._lock:
+        with self._compiler_lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self._stop_token_ids)

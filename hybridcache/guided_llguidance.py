@@ -207,8 +207,9 @@ class LLGuidanceGrammar:
 
 
 class LLGuidanceCompiler:
-    """Compiles JSON schemas and tool calls with llguidance for one tokenizer (built on first use: about a second
-    over a 150k vocabulary). Thread-safe: compiling holds no lock; the tokenizer is made under one."""
+    """Compiles JSON schemas and tool calls with llguidance for one tokenizer (built on first use, or by `prepare`:
+    about a second over a 150k vocabulary, after an import of seconds). Thread-safe: compiling holds no lock; the
+    tokenizer is made under one, so a compile that needs it while another thread builds it waits for that build."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         self._hf_tokenizer = hf_tokenizer
@@ -216,6 +217,11 @@ class LLGuidanceCompiler:
         self._stop_token_ids = frozenset(stop_token_ids)
         self._tokenizer = None
         self._lock = threading.Lock()
+
+    def prepare(self) -> None:
+        """Import llguidance and build its tokenizer now, what the first compile would otherwise wait for;
+        LLGuidanceMissing where llguidance does not import."""
+        self._llg_tokenizer(_llguidance())
 
     def json_schema(self, schema: dict[str, Any]) -> LLGuidanceGrammar:
         """The grammar of `schema` (read as `strict` says); ValueError (llguidance's message) where llguidance

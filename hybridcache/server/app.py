@@ -41,6 +41,7 @@ import concurrent.futures
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -156,6 +157,7 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
         if config.api_key is None and not config.binds_loopback_only():
             logger.warning(NO_KEY_WARNING, config.host)
         engine_loop.start()
+        routes.prepare_grammars()
         freeze_gc_heap()
         yield
         # (on a thread of its own: never queued behind requests' work, nor behind asyncio's default executor)
@@ -297,6 +299,22 @@ class _Routes:
         self.grammar_pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS,
                                                                   thread_name_prefix="hybridcache-grammar")
 
+    def prepare_grammars(self) -> None:
+        """Start `GrammarCache.prepare` (the structured-output libraries' imports and tokenizers, seconds) on a thread
+        of its own, at start-up: neither /health nor the engine waits for it, and a request that compiles a grammar
+        meanwhile waits for the build it needs rather than starting its own. Nothing without a grammar cache."""
+        if self.grammars is not None:
+            threading.Thread(target=self._prepare_grammars, args=(self.grammars,), name="hybridcache-grammar-prepare",
+                             daemon=True).start()
+
+    @staticmethod
+    def _prepare_grammars(grammars: GrammarCache) -> None:
+        try:
+            grammars.prepare()
+        except Exception:  # noqa: BLE001 - the first constrained request then builds what it needs (and says why not)
+            logger.warning("preparing structured output at start-up failed; the first constrained request will try "
+                           "again", exc_info=True)
+
     async def in_pool(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the tokenizer threads, off the event loop: a request's CPU work (decoding and validating
         a large body, rendering the chat template, tokenizing). The pool is bounded (`TOKENIZER_THREADS`, as vLLM
@@ -412,23 +430,29 @@ class _Routes:
         if guided is not None and split_reasoning and in_reasoning:  # as vLLM: the answer is constrained, not the
             guided = replace(guided, starts_after=reasoning.THINK_END)  # reasoning before it
         params = body.sampling_params(max_tokens, guided, defaults)
-        # the parser's tags are special tokens: decoded, kept for it, and the other special tokens taken out
-        strip_tokens = strippable(self.special_texts, calls_format.tags) \
-            if parse_tools and params.skip_special_tokens else None
+        # the tool parser's tags (or the reasoning parser's section tags) are special tokens: decoded, kept for the
+        # parsers, and the other special tokens taken out; section tags the tool parser does not read are kept for
+        # the reasoning split only, then taken out of the content (special_tokens.py)
+        sections = self.config.reasoning_parser.call_sections if split_reasoning else ()
+        parsed_tags = calls_format.tags if parse_tools else ()
+        strip_tokens = strippable(self.special_texts, (*parsed_tags, *sections)) \
+            if params.skip_special_tokens else None
         if strip_tokens is not None:
             params = replace(params, skip_special_tokens=False)
+        split_only = tuple(tag for tag in sections if tag not in parsed_tags) if strip_tokens is not None else ()
         await self.compile_constraint(params, body)
         forced = "named" if isinstance(tool_choice, dict) else "required" if tool_choice == "required" else "auto"
         chat = ChatOutputOptions(
             split_reasoning=split_reasoning,
             in_reasoning=in_reasoning,
-            call_sections=self.config.reasoning_parser.call_sections if split_reasoning else (),
+            call_sections=sections,
             include_reasoning=body.include_reasoning,
             think_markers=self.think_markers,
             parse_tools=parse_tools,
             tools=tools,
             tool_call_parser=self.config.tool_call_parser,
             strip_tokens=strip_tokens or (),
+            split_only_tags=split_only,
             tool_choice=forced,
             parallel_tool_calls=body.parallel_tool_calls,
             echo=body.echo_text(),

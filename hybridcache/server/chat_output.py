@@ -48,7 +48,10 @@ class ChatOutputOptions:
     tool_call_parser: the server's `--tool-call-parser` (ServerConfig's): which format the calls are read in
     (`tool_formats.tool_format`; None: the Qwen blocks).
     strip_tokens: special-token texts taken out of the text before reasoning and calls are read: the text was
-    decoded with special tokens kept because the parser's tags are special (`special_tokens.strippable`).
+    decoded with special tokens kept because the parsers' tags are special (`special_tokens.strippable`).
+    split_only_tags: tags kept in that text for the reasoning split only (Kimi's section tags, special tokens, in a
+    request whose tools are not parsed in Kimi's format), taken out of the content after the split, so the content
+    shows what the default decode (special tokens skipped) shows.
     tool_choice: "required" or "named" (a function named) force a call: as vLLM, the content is then "" rather
     than null, and a named call finishes with the engine's reason ("stop"), not "tool_calls" (OpenAI's rule too).
     parallel_tool_calls: false keeps only the first call (index 0), whole or streamed, as vLLM's
@@ -64,6 +67,7 @@ class ChatOutputOptions:
     tools: list[dict] | None = None
     tool_call_parser: str | None = None
     strip_tokens: tuple[str, ...] = ()
+    split_only_tags: tuple[str, ...] = ()
     tool_choice: Literal["auto", "required", "named"] = "auto"
     parallel_tool_calls: bool = True
     echo: str | None = None
@@ -99,6 +103,7 @@ class ChoiceStream:
         self._content_seen = ""
         self._tools = ToolCallStream(options.tools, options.tool_call_parser) if options.parse_tools else None
         self._stripper = stripper(options.strip_tokens)
+        self._split_only = stripper(options.split_only_tags)
         self.has_reasoning = False  # the text has a think block (closed or not)
 
     @property
@@ -117,7 +122,7 @@ class ChoiceStream:
             if parts.reasoning is not None and parts.reasoning.startswith(self._reasoning_sent):
                 delta.reasoning = parts.reasoning[len(self._reasoning_sent):]
                 self._reasoning_sent = parts.reasoning
-            content = parts.content
+            content = strip(parts.content, self._split_only)
             if not self.options.include_reasoning:
                 delta.reasoning = ""
         if self._tools is not None:

@@ -31,8 +31,10 @@ mentions) stays reasoning; while what follows one could still become `<function`
 With `--reasoning-parser kimi_k2` (`ReasoningParser.call_sections`, passed to `split` as `sections`) Kimi's
 `<|tool_calls_section_begin|>` (or the singular `<|tool_call_section_begin|>`, which Kimi's tool parser reads too)
 ends the reasoning wherever it stands in the think block, and the content (which the tool parser reads) starts at
-it, as vLLM's kimi_k2 reasoning parser has it: Kimi's section is never mentioned in text. A partial tag at the end
-of unfinished text is held back::
+it, as vLLM's kimi_k2 reasoning parser has it: Kimi's section is never mentioned in text. The tags are special
+tokens of Kimi's tokenizer, so a request without tools still keeps them for this split (`special_tokens.py`): vLLM
+ends the reasoning at the section's token id whatever the text shows. A partial tag at the end of unfinished text is
+held back::
 
     "plan\n<|tool_calls_sec"             "plan"          ""          (maybe the tag: held back)
     "plan\n<|tool_calls_section_begin|>" "plan"          "<|tool_calls_section_begin|>"

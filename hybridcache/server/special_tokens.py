@@ -9,6 +9,12 @@ text before reasoning and tool calls are read, so the message shows what the def
     decoded with special tokens, then `strip` with the texts of `strippable`: every tag kept, nothing else special
 
 `strippable` is None when no tag of the format is special (the request is decoded as it asks).
+
+The reasoning parser's section tags (`ReasoningParser.call_sections`: Kimi's, special in Kimi's tokenizer) are kept
+the same way, tools or not: vLLM's kimi_k2 reasoning parser ends the reasoning at the section's token id, which a
+text decoded with special tokens skipped no longer shows. Where the tool parser does not read them (no tools parsed,
+or another format) they are kept for the reasoning split only and then taken out of the content
+(`ChatOutputOptions.split_only_tags`), so the content shows what the default decode shows.
 """
 
 from __future__ import annotations

@@ -1,14 +1,19 @@
 """`--reasoning-parser kimi_k2`: Kimi's tool-call section begun inside an unclosed think block ends the reasoning and
 starts the content, as vLLM's kimi_k2 reasoning parser has it; at every split point the split only grows and the
-streamed message is the whole one. Other reasoning parsers keep the section in the reasoning."""
+streamed message is the whole one. Other reasoning parsers keep the section in the reasoning. A request without
+tools, whose text is decoded with special tokens skipped, ends its reasoning at the section's token too (Kimi's tags
+are special tokens), with the content shown as the default decode shows it."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 
+import httpx
 import pytest
 from openai import OpenAI
+from transformers import AutoTokenizer
 
 from hybridcache.models.builtin import BUILTIN_NAME, ensure_builtin_model
 from hybridcache.server import reasoning
@@ -20,11 +25,14 @@ from hybridcache.server.chat_output import (
     reasoning_tokens,
 )
 from hybridcache.server.reasoning import ReasoningParser
+from hybridcache.server.special_tokens import special_token_texts
+from hybridcache.server.tool_formats import tool_format
 from hybridcache.tokenizer import Tokenizer
 
 from .inprocess_server import serving
 
 SECTIONS = ReasoningParser.KIMI_K2.call_sections
+SECTION_BEGIN = SECTIONS[0]
 TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}}}}]
 SECTION = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>"
@@ -127,3 +135,49 @@ def test_the_server_splits_at_the_section_with_the_kimi_k2_parsers():
                 reasoning_text += (delta.model_extra or {}).get("reasoning_content") or ""
                 names += [call.function.name for call in delta.tool_calls or []]
         assert reasoning_text == "I need the time." and names == ["get_time"]
+
+
+@pytest.fixture(scope="module")
+def kimi_tokens_folder(tmp_path_factory) -> str:
+    """A copy of the built-in model whose tokenizer has Kimi's tags as special added tokens, as Kimi's own has."""
+    folder = tmp_path_factory.mktemp("kimi_reasoning_tokens") / "model"
+    shutil.copytree(ensure_builtin_model(), folder)
+    hf = AutoTokenizer.from_pretrained(folder)
+    hf.add_special_tokens({"additional_special_tokens": list(tool_format("kimi_k2").tags)})
+    hf.save_pretrained(folder)
+    return str(folder)
+
+
+def test_without_tools_the_sections_token_ends_the_reasoning(kimi_tokens_folder):
+    """No tools: the text is decoded with special tokens skipped (vLLM's default), so the section's tags are not in
+    it; the reasoning still ends at the section's token, as vLLM's kimi_k2 parser ends it on token ids
+    (`is_reasoning_end`), and the content is what the default decode shows after it. Whole and streamed alike, and
+    `reasoning_tokens` stops at the section's token. The tags are generated as their special tokens' ids (the
+    grammar allows either spelling; logit_bias makes the special token the choice)."""
+    hf = AutoTokenizer.from_pretrained(kimi_tokens_folder)
+    tags = list(tool_format("kimi_k2").tags)
+    ids = dict(zip(tags, hf.convert_tokens_to_ids(tags)))
+    assert set(tags) <= special_token_texts(hf) and min(ids.values()) >= 259
+    shown = 'functions.get_time:0{"zone": "utc"}'  # (the section as the default decode shows it)
+    body = {"model": BUILTIN_NAME, "messages": [{"role": "user", "content": "time?"}], "max_tokens": 300,
+            "temperature": 0, "return_token_ids": True, "logit_bias": {str(i): 100 for i in ids.values()},
+            "guided_regex": re.escape("<think>\nI need the time.\n" + SECTION)}
+    with serving(reasoning_parser="kimi_k2", model_path=kimi_tokens_folder) as base_url:
+        response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120).raise_for_status().json()
+        streamed = httpx.post(f"{base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=120)
+    choice = response["choices"][0]
+    generated = choice["token_ids"]
+    assert ids[SECTION_BEGIN] in generated, generated  # (the tag as its special token)
+    message = choice["message"]
+    assert (message["reasoning_content"], message["content"]) == ("I need the time.", shown)
+    assert not message.get("tool_calls") and choice["finish_reason"] == "stop"
+    think = len(hf.encode("<think>", add_special_tokens=False))
+    counted = response["usage"]["completion_tokens_details"]["reasoning_tokens"]
+    assert counted == generated.index(ids[SECTION_BEGIN]) - think
+    reasoning_text, content = "", ""
+    for line in streamed.raise_for_status().text.splitlines():
+        if line.startswith("data: {"):
+            for event_choice in json.loads(line[len("data: "):])["choices"]:
+                reasoning_text += event_choice["delta"].get("reasoning_content") or ""
+                content += event_choice["delta"].get("content") or ""
+    assert (reasoning_text, content) == ("I need the time.", shown)
