@@ -15,7 +15,12 @@ items are chosen; `start_early`, called as each test starts): the tests before i
 on one core, so the child computes on the other and is done, or nearly, when its parents run. A folder that the
 session starts with gets `NUM_BATCHES` batches instead, started by its first parent (the batches compute side by
 side while the parent waits). A batch whose parents never ran is stopped when the session ends
-(`stop_children`)."""
+(`stop_children`).
+
+Under pytest-xdist each worker plans alike, but a worker runs only the parents sent to it. With `--dist loadfile`
+(scripts/test.sh) a folder's parents are one work unit that one worker runs (tests/xdist_scheduling.py): their folder
+gets one batch, started by its first parent (no early start: the other worker keeps the other core busy). Under
+another `--dist` a folder's parents may be split between workers: each parent then runs its own child."""
 
 from __future__ import annotations
 
@@ -152,7 +157,21 @@ def plan_children(items) -> None:
     """Plan the batches of the collected parents (leaving out those skipped by a condition known now), by folder
     in the session's order: a folder whose tests come after another folder's gets one batch, started with that
     other folder's first test; the session's first folder gets `NUM_BATCHES`, dealt round-robin, started with its
-    first parent."""
+    first parent. In a pytest-xdist worker: one batch per folder, started with its first parent, where a folder's
+    parents all come to one worker (`--dist loadfile`); none otherwise (each parent then runs its own child)."""
+    _BATCHES.clear()
+    _EARLY_STARTS.clear()
+    workerinput = getattr(items[0].config, "workerinput", None) if items else None
+    xdist_worker = workerinput is not None
+    if xdist_worker:
+        from tests.xdist_scheduling import PARENTS_TOGETHER, parents_unit
+
+        if not workerinput.get(PARENTS_TOGETHER):
+            return
+        for item in items:
+            if hasattr(getattr(item, "function", None), "interpreter_parent") and parents_unit(item.nodeid) is None:
+                raise pytest.UsageError(f"{item.nodeid}: an interpreter parent's name must hold 'interpreter' and "
+                                        "end with 'subprocess' (tests/xdist_scheduling.py finds the parents by name)")
     by_folder: dict[Path, list[Parent]] = {}
     first_items: dict[Path, str] = {}  # folder -> node id of its first test, in the session's order
     for item in items:
@@ -160,18 +179,16 @@ def plan_children(items) -> None:
         parent = getattr(getattr(item, "function", None), "interpreter_parent", None)
         if parent is not None and not any(mark.args and mark.args[0] is True for mark in item.iter_markers("skipif")):
             by_folder.setdefault(parent.test_file.parent, []).append(parent)
-    _BATCHES.clear()
-    _EARLY_STARTS.clear()
     folders = list(first_items)
     for folder, parents in by_folder.items():
         index = folders.index(folder) if folder in folders else 0
-        num_batches = NUM_BATCHES if index == 0 else 1
+        num_batches = NUM_BATCHES if index == 0 and not xdist_worker else 1
         batches = [Batch(parents[start::num_batches]) for start in range(min(num_batches, len(parents)))]
         for batch in batches:
             for parent in batch.parents:
                 parent.batch = batch
         _BATCHES.extend(batches)
-        if index > 0:
+        if index > 0 and not xdist_worker:
             _EARLY_STARTS.setdefault(first_items[folders[index - 1]], []).extend(batches)
 
 

@@ -34,10 +34,32 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
 
+# Under pytest-xdist (`-n N`) every worker takes its ports from its own share of blocks of PORT_BLOCK ports: a port
+# that one worker's `free_port` returned is free until its server binds it, and must not be handed to another
+# worker meanwhile; the block holds the replicas' ports of `--data-parallel-size` (--port + 1 ... + N, N < 8) too.
+PORT_BLOCK = 16
+
+
+def _worker_share() -> tuple[int, int]:
+    """(this pytest-xdist worker's index, the number of workers); (0, 1) outside xdist."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit()):
+        return 0, 1
+    return int(worker[2:]), int(count)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port that no socket holds now, in this xdist worker's share of the port blocks, at least
+    PORT_BLOCK // 2 from the end of its block (its data-parallel replicas' ports lie in the same block)."""
+    index, count = _worker_share()
+    for _ in range(1000):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        block, offset = divmod(port, PORT_BLOCK)
+        if count == 1 or (block % count == index and offset < PORT_BLOCK // 2):
+            return port
+    raise RuntimeError(f"no free port of xdist worker {index} of {count} in 1000 tries")
 
 
 @contextlib.contextmanager
