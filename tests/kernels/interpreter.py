@@ -50,6 +50,7 @@ class Parent:
     def __init__(self, test_file: str, selector: str, timeout: float) -> None:
         self.test_file, self.selector, self.timeout = Path(test_file).resolve(), selector, timeout
         self.batch: Batch | None = None  # set by `plan_children` (or, unplanned, a batch of its own)
+        self.refusal: str | None = None  # why this parent fails without running (set by `plan_children`)
 
     @property
     def module(self) -> str:
@@ -57,6 +58,8 @@ class Parent:
         return ".".join(self.test_file.relative_to(REPO_ROOT).with_suffix("").parts)
 
     def check(self) -> None:
+        if self.refusal is not None:
+            pytest.fail(self.refusal)
         if self.batch is None:
             self.batch = Batch([self])
         for batch in _siblings(self.batch):
@@ -168,15 +171,16 @@ def plan_children(items) -> None:
 
         if not workerinput.get(PARENTS_TOGETHER):
             return
-        for item in items:
-            if hasattr(getattr(item, "function", None), "interpreter_parent") and parents_unit(item.nodeid) is None:
-                raise pytest.UsageError(f"{item.nodeid}: an interpreter parent's name must hold 'interpreter' and "
-                                        "end with 'subprocess' (tests/xdist_scheduling.py finds the parents by name)")
     by_folder: dict[Path, list[Parent]] = {}
     first_items: dict[Path, str] = {}  # folder -> node id of its first test, in the session's order
     for item in items:
         first_items.setdefault(item.path.parent, item.nodeid)
         parent = getattr(getattr(item, "function", None), "interpreter_parent", None)
+        if parent is not None and xdist_worker and parents_unit(item.nodeid) is None:
+            parent.refusal = (f"{item.nodeid}: the name of an interpreted_in_child parent must hold 'interpreter' and "
+                              "end with 'subprocess': under -n N --dist loadfile, tests/xdist_scheduling.py sends a "
+                              "folder's parents to one worker by their names")
+            continue
         if parent is not None and not any(mark.args and mark.args[0] is True for mark in item.iter_markers("skipif")):
             by_folder.setdefault(parent.test_file.parent, []).append(parent)
     folders = list(first_items)
