@@ -49,8 +49,8 @@ def _worker_share() -> tuple[int, int]:
 
 
 def free_port() -> int:
-    """A loopback port that no socket holds now, in this xdist worker's share of the port blocks, at least
-    PORT_BLOCK // 2 from the end of its block (its data-parallel replicas' ports lie in the same block)."""
+    """A loopback port that no socket holds now. Under pytest-xdist: one of this worker's blocks, in the block's
+    first half (the data-parallel replicas' ports above it stay in the block)."""
     index, count = _worker_share()
     for _ in range(1000):
         with socket.socket() as sock:
