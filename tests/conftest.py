@@ -34,6 +34,25 @@ def pytest_runtest_logstart(nodeid, location):
     start_early(nodeid)
 
 
+@pytest.hookimpl(optionalhook=True)  # (pytest-xdist's hooks: unknown without it)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N --dist loadfile`: each file's tests on one worker, and each folder's Triton-interpreter parents too
+    (tests/xdist_scheduling.py); xdist's own scheduling for the other `--dist` modes."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.xdist_scheduling import LoadFileParentsScheduling
+
+    return LoadFileParentsScheduling(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """Tell each xdist worker whether a folder's interpreter parents all come to one worker."""
+    from tests.xdist_scheduling import PARENTS_TOGETHER
+
+    node.workerinput[PARENTS_TOGETHER] = node.config.getvalue("dist") == "loadfile"
+
+
 def pytest_sessionfinish(session, exitstatus):
     from tests.kernels.interpreter import stop_children
 

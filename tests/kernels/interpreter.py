@@ -15,7 +15,12 @@ items are chosen; `start_early`, called as each test starts): the tests before i
 on one core, so the child computes on the other and is done, or nearly, when its parents run. A folder that the
 session starts with gets `NUM_BATCHES` batches instead, started by its first parent (the batches compute side by
 side while the parent waits). A batch whose parents never ran is stopped when the session ends
-(`stop_children`)."""
+(`stop_children`).
+
+Under pytest-xdist each worker plans alike, but a worker runs only the parents sent to it. With `--dist loadfile`
+(scripts/test.sh) a folder's parents are one work unit that one worker runs (tests/xdist_scheduling.py): their folder
+gets one batch, started by its first parent (no early start: the other worker keeps the other core busy). Under
+another `--dist` a folder's parents may be split between workers: each parent then runs its own child."""
 
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ class Parent:
     def __init__(self, test_file: str, selector: str, timeout: float) -> None:
         self.test_file, self.selector, self.timeout = Path(test_file).resolve(), selector, timeout
         self.batch: Batch | None = None  # set by `plan_children` (or, unplanned, a batch of its own)
+        self.refusal: str | None = None  # why this parent fails without running (set by `plan_children`)
 
     @property
     def module(self) -> str:
@@ -52,6 +58,8 @@ class Parent:
         return ".".join(self.test_file.relative_to(REPO_ROOT).with_suffix("").parts)
 
     def check(self) -> None:
+        if self.refusal is not None:
+            pytest.fail(self.refusal)
         if self.batch is None:
             self.batch = Batch([self])
         for batch in _siblings(self.batch):
@@ -152,26 +160,39 @@ def plan_children(items) -> None:
     """Plan the batches of the collected parents (leaving out those skipped by a condition known now), by folder
     in the session's order: a folder whose tests come after another folder's gets one batch, started with that
     other folder's first test; the session's first folder gets `NUM_BATCHES`, dealt round-robin, started with its
-    first parent."""
+    first parent. In a pytest-xdist worker: one batch per folder, started with its first parent, where a folder's
+    parents all come to one worker (`--dist loadfile`); none otherwise (each parent then runs its own child)."""
+    _BATCHES.clear()
+    _EARLY_STARTS.clear()
+    workerinput = getattr(items[0].config, "workerinput", None) if items else None
+    xdist_worker = workerinput is not None
+    if xdist_worker:
+        from tests.xdist_scheduling import PARENTS_TOGETHER, parents_unit
+
+        if not workerinput.get(PARENTS_TOGETHER):
+            return
     by_folder: dict[Path, list[Parent]] = {}
     first_items: dict[Path, str] = {}  # folder -> node id of its first test, in the session's order
     for item in items:
         first_items.setdefault(item.path.parent, item.nodeid)
         parent = getattr(getattr(item, "function", None), "interpreter_parent", None)
+        if parent is not None and xdist_worker and parents_unit(item.nodeid) is None:
+            parent.refusal = (f"{item.nodeid}: the name of an interpreted_in_child parent must hold 'interpreter' and "
+                              "end with 'subprocess': under -n N --dist loadfile, tests/xdist_scheduling.py sends a "
+                              "folder's parents to one worker by their names")
+            continue
         if parent is not None and not any(mark.args and mark.args[0] is True for mark in item.iter_markers("skipif")):
             by_folder.setdefault(parent.test_file.parent, []).append(parent)
-    _BATCHES.clear()
-    _EARLY_STARTS.clear()
     folders = list(first_items)
     for folder, parents in by_folder.items():
         index = folders.index(folder) if folder in folders else 0
-        num_batches = NUM_BATCHES if index == 0 else 1
+        num_batches = NUM_BATCHES if index == 0 and not xdist_worker else 1
         batches = [Batch(parents[start::num_batches]) for start in range(min(num_batches, len(parents)))]
         for batch in batches:
             for parent in batch.parents:
                 parent.batch = batch
         _BATCHES.extend(batches)
-        if index > 0:
+        if index > 0 and not xdist_worker:
             _EARLY_STARTS.setdefault(first_items[folders[index - 1]], []).extend(batches)
 
 

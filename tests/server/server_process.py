@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,7 +36,65 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
 
+# `free_port` picks a port below the kernel's ephemeral range, where no `bind(port 0)` or `connect()` of any process
+# takes a port while the server that was handed it starts (one did: a data-parallel replica found its --port + 2
+# taken). The ports are seen as blocks of PORT_BLOCK: a port handed out lies in its block's first half and the
+# REPLICA_ROOM ports from it are free, room for the replicas of `--data-parallel-size` (--port + 1 ... + N, N < 8).
+# Under pytest-xdist (`-n N`) each worker takes its own share of the blocks, so that two workers never get one
+# port; within a process the ports of the last RECENT hand-outs are not handed out again. (Where the ephemeral range
+# is unknown: a port the kernel picks.)
+PORT_BLOCK = 16
+REPLICA_ROOM = PORT_BLOCK // 2
+LOWEST_PORT = 10000
+RECENT = 64
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: collections.deque[int] = collections.deque(maxlen=RECENT)
+
+
+def _worker_share() -> tuple[int, int]:
+    """(this pytest-xdist worker's index, the number of workers); (0, 1) outside xdist."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit()):
+        return 0, 1
+    return int(worker[2:]), int(count)
+
+
+def port_blocks() -> range:
+    """The blocks (port // PORT_BLOCK) from LOWEST_PORT up to the ephemeral range; empty where it is unknown."""
+    try:
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    return range(-(-LOWEST_PORT // PORT_BLOCK), ephemeral_low // PORT_BLOCK)
+
+
+def _all_free(ports: range) -> bool:
+    """Whether every port of `ports` can be bound on loopback now (no socket holds it, TIME_WAIT included)."""
+    with contextlib.ExitStack() as stack:
+        for port in ports:
+            sock = stack.enter_context(socket.socket())
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
 def free_port() -> int:
+    """A port below the ephemeral range in this pytest-xdist worker's share of the blocks (any block outside xdist),
+    in its block's first half, whose REPLICA_ROOM ports from it are free now and far from the last RECENT hand-outs;
+    where that range is unknown, a port the kernel picks."""
+    index, count = _worker_share()
+    blocks = [block for block in port_blocks() if block % count == index]
+    for _ in range(1000 if blocks else 0):
+        port = random.choice(blocks) * PORT_BLOCK + random.randrange(PORT_BLOCK - REPLICA_ROOM)
+        if all(abs(port - other) >= REPLICA_ROOM for other in _handed_out) and _all_free(
+                range(port, port + REPLICA_ROOM)):
+            _handed_out.append(port)
+            return port
+    if blocks:
+        raise RuntimeError(f"no {REPLICA_ROOM} free ports together below the ephemeral range in 1000 tries (xdist "
+                           f"worker {index} of {count})")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
