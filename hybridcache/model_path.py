@@ -24,6 +24,7 @@ name="Qwen/Qwen3.5-0.8B")`: the name is the argument as given (what a server rep
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -72,7 +73,9 @@ def with_hf_overrides(folder: Path, overrides: Any) -> Path:
     a nested object is merged into the config's: `{"text_config": {"rope_parameters": ...}}` replaces one item of
     `text_config`): a folder of the same name under `$HYBRIDCACHE_HOME/overrides/<hash>/` (hash of the folder's path
     and the overrides) holding the merged config.json and a link to every other file of `folder`, so everything that
-    reads the model folder (the config, the weights, the tokenizer, the disk tier's model key) sees one model.
+    reads the model folder (the config, the weights, the tokenizer, the disk tier's model key) sees one model. Safe
+    for processes that build the same overlay at once (data-parallel replicas): a link made meanwhile is taken as it
+    is, and config.json is replaced whole.
 
         {"max_position_embeddings": 1010000}  ->  .../overrides/3f2a.../Qwen3.5-0.8B/config.json with that item"""
     if not isinstance(overrides, dict):
@@ -88,9 +91,13 @@ def with_hf_overrides(folder: Path, overrides: Any) -> Path:
     overlay.mkdir(parents=True, exist_ok=True)
     for entry in folder.iterdir():
         link = overlay / entry.name
-        if entry.name != "config.json" and not link.exists():
-            link.symlink_to(entry.resolve())
-    (overlay / "config.json").write_text(json.dumps(merged, indent=2))
+        if entry.name != "config.json" and not link.is_symlink():
+            with contextlib.suppress(FileExistsError):  # another process (a replica) made the same link meanwhile
+                link.symlink_to(entry.resolve())
+    # written whole, then renamed into place: a process that reads the overlay meanwhile sees one config or the other
+    partial = overlay / f".config.json.{os.getpid()}"
+    partial.write_text(json.dumps(merged, indent=2))
+    os.replace(partial, overlay / "config.json")
     _logger.info("model %s: config.json items overridden (--hf-overrides): %s; the folder used is %s", folder,
                  ", ".join(sorted(overrides)), overlay)
     return overlay

@@ -317,6 +317,29 @@ def test_hf_overrides_replace_config_items_for_everything_that_reads_the_folder(
         serve(str(folder), "--hf-overrides", "[1, 2]")  # not an object
 
 
+def test_hf_overrides_built_by_processes_at_once(tmp_path, monkeypatch):
+    """Data-parallel replicas build the same overlay at once: a link another process made after this one looked
+    (the window forced open here: no link is ever seen as there) is taken as it is, and config.json is replaced
+    whole (no partial file left beside it)."""
+    from pathlib import Path
+
+    from hybridcache.model_path import with_hf_overrides
+
+    monkeypatch.setenv("HYBRIDCACHE_HOME", str(tmp_path / "home"))
+    folder = tmp_path / "tiny"
+    shutil.copytree(ensure_builtin_model(), folder)
+    first = with_hf_overrides(folder, {"max_position_embeddings": 4321})
+    overlay_parts = first.parts
+    for check in ("exists", "is_symlink"):  # whichever the builder looks with: nothing in the overlay is seen there
+        seen = getattr(Path, check)
+        monkeypatch.setattr(Path, check, lambda self, seen=seen: self.parts[:len(overlay_parts)] != overlay_parts
+                            and seen(self))
+    again = with_hf_overrides(folder, {"max_position_embeddings": 4321})
+    assert again == first
+    assert json.loads((again / "config.json").read_text())["max_position_embeddings"] == 4321
+    assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in folder.iterdir())
+
+
 def test_nvidias_nemotron_3_recipe_starts(caplog):
     """NVIDIA's vLLM recipe for Nemotron 3 Nano (`--reasoning-parser-plugin nano_v3_reasoning_parser.py
     --reasoning-parser nano_v3 --tool-call-parser qwen3_coder`) did not start: the plugin flag was unknown and
