@@ -17,50 +17,11 @@ Nothing here asserts a speed.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
-
-ENGINE = ("--block-size", "16", "--max-model-len", "512", "--num-blocks", "256", "--max-num-seqs", "4")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve(repo: Path):
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(repo)}
-    command = [sys.executable, "-m", "hybridcache.cli", "serve", "--port", str(port), "--log-level", "warning",
-               *ENGINE]
-    process = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start (exit code {process.poll()})")
-            time.sleep(0.1)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+from outside_traffic import serve  # a sibling script: `hybridcache serve` of the built-in model, until /health
 
 
 def timed(url: str, **extra) -> float:
@@ -75,7 +36,7 @@ def main() -> None:
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parent.parent)
     parser.add_argument("--wait", type=float, default=0.0)
     args = parser.parse_args()
-    with serve(args.repo) as url:
+    with serve(args.repo) as (_, _, url):
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         time.sleep(args.wait)
 
