@@ -13,6 +13,8 @@ checkpoint's own scales:
   output; W8A8 is 1e-2 to 1e-1 off); every expert GEMM it launched took x / h unquantised (no activation
   scale), and block-scaled experts keep their blocks (not re-quantised per channel, which changes the weights).
 - On the CPU without the interpreter: `fp8_exact` says fp32 only.
+- On CUDA (skipped without one): the same against the reference backend at decode and prefill sizes, both
+  formats and activations, to 1e-5 (the W8A16 kernel in IEEE fp32, `PRECISION` "ieee").
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 import torch
 
 from hybridcache.fp8_format import BLOCK, CHANNEL
-from tests.kernels.interpreter import interpreted_in_child, needs_interpreter
+from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
 from tests.kernels.test_fp8_relu2_experts import routes
 from tests.kernels.test_fp8_rowwise_experts import block_experts, rel
 
@@ -68,3 +70,26 @@ def test_interpreted_cuda_backend_runs_fp32_fp8_experts_exactly(fmt, activation,
     assert backend._experts[experts].block == (fmt.block if fmt.kind == "block" else (1, 128))
     print(f"{fmt.describe()} {activation} at {tokens} tokens: {rel(got, want):.1e} of the largest output")
     assert rel(got, want) <= 1e-5
+
+
+@needs_cuda
+@pytest.mark.parametrize("tokens", [3, 64, 700], ids=["decode-3", "decode-64", "prefill-700"])
+@pytest.mark.parametrize("activation", ["silu_gated", "relu2"])
+@pytest.mark.parametrize("fmt", [CHANNEL, BLOCK], ids=["channel", "block"])
+@torch.no_grad()
+def test_cuda_backend_runs_fp32_fp8_experts_exactly(fmt, activation, tokens):
+    """On the GPU: fp32 x through `CudaBackend.moe` (its start-up compile included) equals the reference backend on
+    the dequantised weights to 1e-5 of the largest output (W8A8 would be 1e-2 to 1e-1 off), in fp32."""
+    from hybridcache.kernels.attention.reference_backend import ReferenceAttention
+    from hybridcache.kernels.backend import ReferenceBackend
+    from hybridcache.kernels.cuda_backend import CudaBackend
+
+    generator = torch.Generator().manual_seed(tokens)
+    hidden, inter, num_experts, top_k = 256, 192, 8, 2
+    experts = block_experts(hidden, inter, num_experts, generator, fmt, gated=activation == "silu_gated").cuda()
+    x = torch.randn(tokens, hidden, generator=generator).cuda()
+    top_weights, top_ids = (t.cuda() for t in routes(tokens, num_experts, top_k, generator))
+    want = ReferenceBackend().moe(x, top_weights, top_ids, experts, activation=activation)
+    got = CudaBackend(ReferenceAttention()).moe(x, top_weights, top_ids, experts, activation=activation)
+    print(f"{fmt.describe()} {activation} at {tokens} tokens: {rel(got, want):.1e} of the largest output")
+    assert got.dtype == torch.float32 and rel(got, want) <= 1e-5
