@@ -15,7 +15,8 @@
 |                  | states (`conv/triton_verify.py`) before the varlen kernel                                       |
 | moe              | Triton expert GEMM (few rows per expert) or `torch._grouped_mm` (`moe/grouped.py`); the combine |
 |                  | of the routed rows adds the shared expert's sigmoid(gate) * shared in the same launch; FP8    |
-|                  | experts: `gemm/triton_fp8_moe.py`, the shared expert as one more expert where it fits          |
+|                  | experts: `gemm/triton_fp8_moe.py`, the shared expert as one more expert where it fits; on fp32 x |
+|                  | W8A16, the exact path (`triton_fp8_moe.fp8_exact`)                                             |
 | rms_norm, gated_rms_norm, add_rms_norm | fused Triton kernels, 2,048 // width rows per program (`norm/triton.py`) |
 | delta_gates      | one Triton launch for g and beta (`gated_delta/triton_gates.py`)                               |
 | gated_delta      | the gates and the rule: all-decode, the step kernel makes the gates from a, b itself (the code |
@@ -70,7 +71,7 @@ from hybridcache.kernels.gated_delta.fla import (
 )
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
-from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts, shared_fits
+from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_exact, fp8_grouped_experts, shared_fits
 from hybridcache.kernels.gemm.triton_fp8_moe import compile_tiles as compile_fp8_tiles
 from hybridcache.kernels.mamba1 import triton as mamba1_triton
 from hybridcache.kernels.mamba2 import fla as mamba2_fla
@@ -372,15 +373,19 @@ class CudaBackend(SharedOps):
         (a pending output joined right before it, after the expert GEMMs were launched: `grouped_experts`); FP8
         experts (either activation: `fp8_grouped_experts`) with one launch more (joined before it), or, given the
         shared expert's module (`fuses_shared_expert`: SiLU-gated experts), with it stacked as one more expert
-        (`fp8_grouped_experts`' `shared_gate`)."""
+        (`fp8_grouped_experts`' `shared_gate`). FP8 experts on fp32 x run the exact path (`fp8_exact`): W8A16 (x
+        and h unquantised, each weight tile converted to fp32 in the kernel, IEEE fp32 products) on the checkpoint's
+        own scales (block-scaled experts are not re-quantised per channel), equal to the reference backend's
+        dequantised experts but for fp32 summation order, as fp32's dense FP8 linears (`gemm/triton_backend.py`)."""
         shared_module = shared[1] if shared is not None and isinstance(shared[1], nn.Module) else None
+        exact = fp8_exact(x)
         stacked = self._experts.get(experts)
         if stacked is None:
             if hasattr(experts[0].up_proj, "fmt"):  # FP8 experts (layers/linear.py::Fp8Linear)
-                stacked = self._experts[experts] = Fp8ExpertWeights.share(experts, shared=shared_module,
-                                                                          activation=activation)
+                stacked = self._experts[experts] = Fp8ExpertWeights.share(
+                    experts, per_channel=False if exact else None, shared=shared_module, activation=activation)
                 if not torch.cuda.is_current_stream_capturing():
-                    compile_fp8_tiles(x, stacked, top_ids.shape[1])
+                    compile_fp8_tiles(x, stacked, top_ids.shape[1], w8a16=exact or None)
             else:
                 stacked = self._experts[experts] = ExpertWeights.share(experts, activation)
                 if not torch.cuda.is_current_stream_capturing():  # the engine's profiling forward comes first
@@ -392,8 +397,9 @@ class CudaBackend(SharedOps):
                              "every call")
         if isinstance(stacked, Fp8ExpertWeights):
             if stacked.shared:
-                return fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=shared[0])
-            routed = fp8_grouped_experts(x, top_weights, top_ids, stacked)
+                return fp8_grouped_experts(x, top_weights, top_ids, stacked, w8a16=exact or None,
+                                           shared_gate=shared[0])
+            routed = fp8_grouped_experts(x, top_weights, top_ids, stacked, w8a16=exact or None)
             return routed if shared is None else triton_activation.sigmoid_gate_add(routed, shared[0],
                                                                                      joined(shared[1]))
         return grouped_experts(x, top_weights, top_ids, stacked, shared)

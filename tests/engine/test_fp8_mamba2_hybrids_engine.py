@@ -4,7 +4,10 @@ transformers: tests/models/test_fp8_mamba2_hybrids.py). Cached and uncached runs
 with `check_integrity()` at every step, with the model-dtype KV and with FP8 KV (`kv_cache_dtype="fp8"`, the
 checkpoint's KV scales); the startup state names the format. On CUDA (skipped without one) both folders serve
 cached == uncached on the FP8 GEMMs and grouped experts: Granite's SiLU-gated experts, Nemotron-H's relu^2 ones
-(the FP8 expert GEMM's relu^2 epilogue) beside its shared expert's dense FP8 linears."""
+(the FP8 expert GEMM's relu^2 epilogue) beside its shared expert's dense FP8 linears; in fp32, the engine's exact
+mode, without quantising activations (the dense FP8 linears dequantise, the experts run W8A16:
+`triton_fp8_moe.fp8_exact`; their W8A8 e4m3 rounding of x is a step function that a cached and an uncached run
+could land on either side of, which failed the Granite case)."""
 
 from __future__ import annotations
 

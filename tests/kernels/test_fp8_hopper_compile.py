@@ -2,9 +2,10 @@
 interpreter runs but the compiler rejects (one return type over two constexpr branches was such a case) fails
 here, not on the device. Every variant the engine can launch is compiled: the dense kernel's decode tiles
 (swap-AB, W8A16 and W8A8) and its prefill tile, the grouped expert kernel's decode and prefill tiles (gate/up and
-down; block and per-channel scales; the SwiGLU and relu^2 epilogues), the quantisation kernels (per group; SwiGLU
-or relu^2 + per row), the shared expert's routes (`with_shared`). The swap-AB tiles must reach Hopper's wgmma (the
-reason for them: with 16 to 32 rows on the MMA's M side Triton falls back to mma.sync)."""
+down; block and per-channel scales; the SwiGLU and relu^2 epilogues; an fp32 engine's W8A16 tiles), the
+quantisation kernels (per group; SwiGLU or relu^2 + per row), the shared expert's routes (`with_shared`). The
+swap-AB tiles must reach Hopper's wgmma (the reason for them: with 16 to 32 rows on the MMA's M side Triton falls
+back to mma.sync)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,25 @@ def test_fp8_relu2_expert_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap
     ptx = compile_for_hopper(_fp8_expert_gemm_kernel, pointers, ints, constants, num_warps).asm["ptx"]
     assert "wgmma" in ptx
     assert "max.f32" in ptx and "ex2" not in ptx  # relu's max, and no sigmoid
+
+
+# an fp32 engine's experts (`triton_fp8_moe.fp8_exact`): W8A16 on fp32 x and h, IEEE fp32 products, K steps of 32
+# (`fp8_expert_gemm`'s fp32 cap): the decode tiles (swap-AB, 16 and 64 rows) and the prefill tiles (gate/up 64 x 64,
+# down 64 x 128), each epilogue (SwiGLU, relu^2, none: the down GEMM), block and per-channel scales
+@pytest.mark.parametrize(("block_m", "block_n", "swap_ab", "group_m"), [
+    (16, 64, True, 0), (64, 64, True, 0), (64, 64, False, 8), (64, 128, False, 8)])
+@pytest.mark.parametrize("epilogue", ["swiglu", "relu2", "down"])
+@pytest.mark.parametrize("group_n", [128, 1], ids=["block", "per-channel"])
+def test_fp32_w8a16_expert_gemm_compiles_for_hopper(block_m, block_n, swap_ab, group_m, epilogue, group_n):
+    pointers = {"a_ptr": "*fp32", "a_scale_ptr": "*fp32", "order_ptr": "*i64", "w_ptr": "*fp8e4nv",
+                "w_scale_ptr": "*fp32", "out_ptr": "*fp32", "counts_ptr": "*i32"}
+    ints = ["num_experts", "top_k", "N", "K", "UP_GROUP", "stride_a", "stride_as", "stride_we", "stride_wn",
+            "stride_wse", "stride_wsn", "stride_wsk", "stride_out"]
+    constants = dict(GATHER=epilogue != "down", SCATTER=epilogue == "down", SWIGLU=epilogue == "swiglu", A_FP8=False,
+                     GROUP_N=group_n, GROUP_K=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, BLOCK_E=32,
+                     SWAP_AB=swap_ab, PRECISION="ieee", GROUP_M=group_m, SCALE_ONCE=False, RELU2=epilogue == "relu2")
+    ptx = compile_for_hopper(_fp8_expert_gemm_kernel, pointers, ints, constants).asm["ptx"]
+    assert "fma.rn.f32" in ptx and "tf32" not in ptx  # IEEE fp32 products, not tensor cores' tf32
 
 
 def test_quantize_groups_compiles_for_hopper():

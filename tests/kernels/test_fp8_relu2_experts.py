@@ -12,7 +12,8 @@ relu2=True)`) and the CUDA backend's `moe`.
   activations unquantised): within the activations' e4m3 rounding in W8A8 (`W8A8_TOL`), to fp32 order in W8A16
   (1e-5).
   The CUDA backend's `moe` on "relu2" FP8 experts and Nemotron-H's MoE block on it (its shared expert two dense
-  FP8 linears) against the reference backend.
+  FP8 linears) against the reference backend, on bf16's paths (`bf16_paths`; fp32's own, the exact W8A16:
+  tests/kernels/test_fp8_experts_fp32.py).
 - On the CPU without the interpreter: the "relu2" stack's layout and sharing, and the refusals (a shared expert in
   a "relu2" stack, an unknown activation, both epilogues at once).
 - On CUDA (skipped without one): the CUDA backend's `moe` against the reference backend in bf16 for both
@@ -162,6 +163,15 @@ def test_share_relu2_stacks_up_proj_alone_and_refuses_what_it_cannot_run():
                         stacked.block, torch.float32, gather=True, scatter=False, swiglu=True, relu2=True, block_m=16)
 
 
+def bf16_paths(monkeypatch) -> None:
+    """The CUDA backend's `moe` takes the paths of bf16 x (W8A8, `EXPERTS_PER_CHANNEL`) on the fp32 x of an
+    interpreted test (the interpreter's bf16 products are wrong), not fp32's exact path (`triton_fp8_moe.fp8_exact`:
+    W8A16, tests/kernels/test_fp8_experts_fp32.py)."""
+    from hybridcache.kernels import cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "fp8_exact", lambda x: False)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("tokens", [9, 160], ids=["decode", "prefill"])
 @torch.no_grad()
@@ -174,6 +184,7 @@ def test_interpreted_cuda_backend_moe_runs_fp8_relu2_experts(tokens, monkeypatch
     from hybridcache.kernels.cuda_backend import CudaBackend
 
     torch_quantisation(monkeypatch)
+    bf16_paths(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU-only torch has none
     generator = torch.Generator().manual_seed(tokens)
     hidden, inter, num_experts, top_k = 128, 64, 4, 2
@@ -224,6 +235,7 @@ def test_interpreted_nemotron_moe_block_on_the_cuda_backend_equals_the_reference
     from hybridcache.layers.step import StepContext
 
     torch_quantisation(monkeypatch)
+    bf16_paths(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     block = nemotron_moe_block(torch.Generator().manual_seed(5))
     assert isinstance(block.shared_experts.up_proj, Fp8Linear) and isinstance(block.experts[0].down_proj, Fp8Linear)

@@ -23,6 +23,7 @@ from torch import nn
 
 from hybridcache.fp8_format import BLOCK, CHANNEL
 from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
+from tests.kernels.test_fp8_relu2_experts import bf16_paths
 from tests.kernels.test_fp8_rowwise_experts import block_experts, emulated_rowwise, fro, rel
 
 
@@ -164,6 +165,7 @@ def test_interpreted_moe_block_runs_its_shared_expert_in_the_experts_launch(per_
 
     monkeypatch.setattr(triton_fp8_moe, "DECODE_W8A16", True)
     monkeypatch.setattr(fp8_tiles, "EXPERTS_PER_CHANNEL", per_channel)
+    bf16_paths(monkeypatch)  # bf16's stacks (re-quantised with `per_channel`) on this fp32 x; fp32 keeps the blocks
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU-only torch has none
     generator = torch.Generator().manual_seed(5)
     block = moe_block(BLOCK, generator)

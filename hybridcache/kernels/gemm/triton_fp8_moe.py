@@ -578,6 +578,18 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     return combine(y, top_weights)
 
 
+def fp8_exact(x: torch.Tensor) -> bool:
+    """Whether FP8 experts on x run the exact path: fp32 x, which the CUDA backend's `moe` hands
+    `fp8_grouped_experts` as W8A16 (`w8a16=True`: x and h stay fp32, each weight tile is converted to fp32 in the
+    kernel and multiplied in IEEE fp32) on the checkpoint's own scales (`Fp8ExpertWeights.share(...,
+    per_channel=False)`): the reference backend's dequantised experts but for fp32 summation order, as fp32's dense
+    FP8 linears (`triton_backend`: the dequantising GEMM). W8A8's activation quantisation is a step function of x:
+    two runs whose x differ in the last fp32 bits (another chunking of a scan: a cached and an uncached run) may
+    round an element to neighbouring e4m3 values, 1/16 of it apart, which an fp32 engine's exactness cannot absorb.
+    The fast paths (W8A8, the row-wise grouped GEMM) are bf16 / fp16's."""
+    return x.dtype == torch.float32
+
+
 def decode_launch(weights: torch.Tensor, block_m: int) -> dict:
     """`fp8_expert_gemm`'s launch settings for stacked weights [E, N_w, K] at decode sizes, `tile_rows` having
     chosen block_m: `fp8_tiles.DECODE_TILES`' entry, else the `DECODE_*` launch. From shapes alone."""
@@ -598,14 +610,15 @@ def prologue_fits(x: torch.Tensor, top_ids: torch.Tensor, num_experts: int) -> b
             and top_ids.is_contiguous())
 
 
-def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> None:
+def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int, w8a16: bool | None = None) -> None:
     """Run every expert-GEMM variant `fp8_grouped_experts` can launch for this block's shapes once, on one token of
     x's dtype and device, so that they compile when the engine starts (its profiling forward stacks the experts)
     and not inside the first request that needs one: the one-launch sort at each of its pair-count buckets (as
     `moe.grouped.compile_tiles`; with the shared expert, the decode prologue too), the decode launch of each tile
     `moe.grouped.tile_rows` can pick (at a token count that picks it), the W8A8 prefill path
     with its quantisation at each `fp8_tiles.PREFILL_TILES` tile, and the row-wise path's two quantisations
-    where it runs; with the shared expert in the stack, `with_shared` and the combine of k + 1 picks."""
+    where it runs; with the shared expert in the stack, `with_shared` and the combine of k + 1 picks. `w8a16`: what
+    the backend passes `fp8_grouped_experts` (True on fp32 x, `fp8_exact`: the W8A16 variants of those tiles)."""
     from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, block_size, block_sizes, sort_pairs_triton
 
     num_experts = experts.gate_up.shape[0]
@@ -615,7 +628,7 @@ def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> Non
             sort_pairs_triton(torch.arange(pairs, device=x.device).remainder(routed)[:, None], num_experts,
                               experts.shared)
             tokens = max(1, pairs // top_k)
-            if experts.shared and block_size(tokens * top_k) == pairs:  # the decode prologue at this sort bucket
+            if experts.shared and not w8a16 and block_size(tokens * top_k) == pairs:  # the decode prologue here
                 ids = torch.arange(tokens * top_k, device=x.device).remainder(routed).view(tokens, top_k)
                 shared_prologue(torch.zeros((tokens, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device),
                                 torch.ones((tokens, top_k), dtype=x.dtype, device=x.device), ids,
@@ -636,9 +649,9 @@ def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> Non
         count = max(1, most_per_expert * routed // top_k)
         if tile_rows(count * top_k, routed) == rows:
             token, weights, ids, gate = tokens_of(count)
-            fp8_grouped_experts(token, weights, ids, experts, shared_gate=gate)
+            fp8_grouped_experts(token, weights, ids, experts, w8a16=w8a16, shared_gate=gate)
     token, weights, ids, gate = tokens_of(1)
     for prefill in dict.fromkeys(fp8_tiles.PREFILL_TILES.values()):
-        fp8_grouped_experts(token, weights, ids, experts, prefill=prefill, shared_gate=gate)
-    if rowwise_fits(token, experts):
+        fp8_grouped_experts(token, weights, ids, experts, w8a16=w8a16, prefill=prefill, shared_gate=gate)
+    if rowwise_fits(token, experts) and not w8a16:
         fp8_grouped_experts(token, weights, ids, experts, rowwise=True, shared_gate=gate)
