@@ -62,13 +62,19 @@ class GuidedKind(enum.Enum):
 #               <function_calls>N(a=1)\n...</function_calls> (OLMo 3), [N(a=1), ...] (the whole reply)
 TOOL_FORMATS = ("qwen", *LIST_TAGS, "kimi", *PYTHON_FORMATS)
 
+# Behind a marker (`GuidedSpec.starts_after`: a reasoning model's `</think>`) a forced call may follow up to this
+# many spaces or newlines: chat templates and trained models write a blank line there ("</think>\n\n<tool_call>"),
+# and a grammar that refused it would push the model off what it learned. Bounded, so it cannot stall in whitespace.
+LEAD_SPACE = 4
+
 
 @dataclass(frozen=True)
 class GuidedSpec:
     """A constraint: `kind` and its `spec` text. `starts_after`: the constraint applies from the token after the
     one with which the completion's text first contains this marker, and the completion is free until then (a
     reasoning model's `</think>`: the answer is constrained, its reasoning is not, as vLLM does with a reasoning
-    parser); "" = from the first token. `parallel` (TOOL_CALLS only): one or more calls rather than exactly one;
+    parser); "" = from the first token. TOOL_CALLS behind a marker may start with up to `LEAD_SPACE` spaces or
+    newlines (`lead_space`). `parallel` (TOOL_CALLS only): one or more calls rather than exactly one;
     `tool_format` (TOOL_CALLS only): how the calls are written, one of `TOOL_FORMATS` (the model's own format, which
     the server's tool-call parser reads)."""
 
@@ -81,6 +87,12 @@ class GuidedSpec:
     def __post_init__(self) -> None:
         if self.tool_format not in TOOL_FORMATS:
             raise ValueError(f"unknown tool-call format {self.tool_format!r}; known: {', '.join(TOOL_FORMATS)}")
+
+    @property
+    def lead_space(self) -> int:
+        """How many spaces or newlines the constraint takes before its text: `LEAD_SPACE` for tool calls behind a
+        marker, else none."""
+        return LEAD_SPACE if self.kind is GuidedKind.TOOL_CALLS and self.starts_after else 0
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> GuidedSpec:
@@ -171,7 +183,8 @@ class GrammarCache:
         return self._hf_tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _compile(self, spec: GuidedSpec) -> Any:
-        spec = replace(spec, starts_after="")  # the grammar is the same whatever starts it
+        if not spec.lead_space:  # the grammar is the same whatever starts it (tool calls behind one lead with space)
+            spec = replace(spec, starts_after="")
         with self._lock:
             compiled = self._compiled.get(spec)
             if compiled is not None:
@@ -220,10 +233,10 @@ class GrammarCache:
                 compiled = self._fallback.json_schema(json.loads(spec.spec))
             elif spec.tool_format == "kimi":
                 compiled = self._fallback.kimi_section([_function(tool) for tool in json.loads(spec.spec)],
-                                                       spec.parallel)
+                                                       spec.parallel, spec.lead_space)
             else:
                 compiled = self._fallback.tool_calls([_call_schema(tool) for tool in json.loads(spec.spec)],
-                                                     spec.parallel, spec.tool_format)
+                                                     spec.parallel, spec.tool_format, spec.lead_space)
         except LLGuidanceMissing as error:
             raise ValueError(f"{prefix} by xgrammar (it would not enforce it), and {error}") from None
         except ValueError as error:  # (llguidance's reason first: it names what no backend here enforces)
@@ -367,6 +380,14 @@ def _grammar(xgr: Any, spec: GuidedSpec) -> Any:
     if kind is GuidedKind.CHOICE:
         choices = json.loads(spec.spec)
         return xgr.Grammar.union(*(_literal(xgr, choice) for choice in choices))
+    calls = _tool_calls(xgr, spec)
+    if not spec.lead_space:
+        return calls
+    return xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= [ \\n]{{0,{spec.lead_space}}}"), calls)
+
+
+def _tool_calls(xgr: Any, spec: GuidedSpec) -> Any:
+    """A TOOL_CALLS spec's calls in its `tool_format` (`TOOL_FORMATS`), from their first character."""
     if spec.tool_format == "kimi":
         return _kimi_section(xgr, [_function(tool) for tool in json.loads(spec.spec)], spec.parallel)
     if spec.tool_format in PYTHON_FORMATS:

@@ -231,22 +231,23 @@ class LLGuidanceCompiler:
         return self._compile(llg, llg.LLMatcher.grammar_from_json_schema(strict(schema), overrides=_JSON_OPTIONS))
 
     def tool_calls(self, call_schemas: Sequence[dict[str, Any]], parallel: bool,
-                   tool_format: str = "qwen") -> LLGuidanceGrammar:
+                   tool_format: str = "qwen", lead_space: int = 0) -> LLGuidanceGrammar:
         """Calls valid for one of `call_schemas` (`tool_call_schema`: name and arguments; read as `strict` says),
         written as `guided.TOOL_FORMATS` describes `tool_format`: Qwen3's `<tool_call>\\n<call>\\n</tool_call>`
         blocks, a newline between two, or one list in the tags `LIST_TAGS` gives the format (NVIDIA's
         `<TOOLCALL>[<call>, <call>]</TOOLCALL>`, AI21's `<tool_calls>[...]</tool_calls>`); `parallel`: one or more
-        calls."""
+        calls; `lead_space`: up to this many spaces or newlines before them."""
         for schema in call_schemas:
             _refuse_negative_only_multiples(schema)
         bodies = [f"call{i}: %json {json.dumps({**strict(schema), 'x-guidance': _JSON_OPTIONS})}"
                   for i, schema in enumerate(call_schemas)]
         if tool_format in LIST_TAGS:
             opening, closing = (json.dumps(tag) for tag in LIST_TAGS[tool_format])
-            start = [f'start: {opening} call (", " call)* {closing}' if parallel
-                     else f"start: {opening} call {closing}"]
+            start = [f'start: {_lead(lead_space)}{opening} call (", " call)* {closing}' if parallel
+                     else f"start: {_lead(lead_space)}{opening} call {closing}"]
         else:
-            start = ['start: block ("\\n" block)*' if parallel else "start: block",
+            start = [f'start: {_lead(lead_space)}block ("\\n" block)*' if parallel
+                     else f"start: {_lead(lead_space)}block",
                      'block: "<tool_call>\\n" call "\\n</tool_call>"']
         lark = "\n".join([
             *start,
@@ -254,10 +255,12 @@ class LLGuidanceCompiler:
             *bodies, ""])
         return self._compile(_llguidance(), lark)
 
-    def kimi_section(self, functions: Sequence[tuple[str, dict[str, Any]]], parallel: bool) -> LLGuidanceGrammar:
+    def kimi_section(self, functions: Sequence[tuple[str, dict[str, Any]]], parallel: bool,
+                     lead_space: int = 0) -> LLGuidanceGrammar:
         """Calls written in Kimi's section (`guided_kimi`), each of one of `functions` (name, parameters schema; read
-        as `strict` says). A tag that is a special token of the tokenizer is that token or its text (llguidance
-        matches a quoted tag's text only, never the special token the model was taught to write)."""
+        as `strict` says), after up to `lead_space` spaces or newlines. A tag that is a special token of the tokenizer
+        is that token or its text (llguidance matches a quoted tag's text only, never the special token the model was
+        taught to write)."""
         for _, parameters in functions:
             _refuse_negative_only_multiples(parameters)
         llg = _llguidance()
@@ -268,7 +271,7 @@ class LLGuidanceCompiler:
             else quoted(text))
         arguments = [f"args{k}: %json {json.dumps({**strict(parameters), 'x-guidance': _JSON_OPTIONS})}"
                      for k, (_, parameters) in enumerate(functions)]
-        return self._compile(llg, "\n".join([f"start: {section}", *rules, *arguments, ""]))
+        return self._compile(llg, "\n".join([f"start: {_lead(lead_space)}{section}", *rules, *arguments, ""]))
 
     def _special_tags(self, llg: Any) -> frozenset[str]:
         """Kimi's tags that are one special token of the tokenizer each (llguidance's grammars name them bare)."""
@@ -295,6 +298,11 @@ class LLGuidanceCompiler:
                 self._tokenizer = llg.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size,
                                                         eos_token=sorted(self._stop_token_ids))
             return self._tokenizer
+
+
+def _lead(lead_space: int) -> str:
+    """A start rule's optional run of 1 to `lead_space` spaces or newlines (Lark), "" for none."""
+    return f"/[ \\n]{{1,{lead_space}}}/? " if lead_space else ""
 
 
 def _refuse_negative_only_multiples(schema: Any) -> None:

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from hybridcache import guided_kimi
-from hybridcache.guided import GrammarCache, GuidedSpec
+from hybridcache.guided import LEAD_SPACE, GrammarCache, GuidedSpec
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.server.structured import tool_choice_spec
 from hybridcache.tokenizer import Tokenizer
@@ -72,8 +72,9 @@ def test_a_named_function_is_one_call_and_parallel_is_part_of_the_spec(cache_and
     assert accepts(cache_and_tokenizer, several, ONE + "\n" + ONE)
     assert not accepts(cache_and_tokenizer, one, ONE + "\n" + ONE)
     cache, _ = cache_and_tokenizer
-    gated = dataclasses.replace(several, starts_after="</think>")
-    assert cache._compile(gated) is cache._compile(several) is not cache._compile(one)
+    gated = dataclasses.replace(several, starts_after="</think>")  # (its grammar takes a blank run first)
+    assert cache._compile(gated) is not cache._compile(several) is not cache._compile(one)
+    assert cache._compile(gated) is cache._compile(dataclasses.replace(several, starts_after="</think>"))
 
 
 @pytest.mark.parametrize("parallel", [True, False, None])
@@ -233,3 +234,34 @@ def test_kimis_tags_may_be_their_special_tokens(kimi_special_tokenizer, backend)
     for token_ids in (as_tokens, spelled):
         matcher = cache.matcher(spec)
         assert all(matcher.accept_token(t) for t in token_ids) and matcher.accept_token(tokenizer.eos_token_id)
+
+
+def _forced(tool_format: str, backend: str) -> tuple[GuidedSpec, str]:
+    """A forced one-call spec of `backend`'s tools in `tool_format` (Qwen's blocks, a list format or Kimi's section)
+    and the text of its first call, as the model writes it."""
+    tools, first, _ = BACKENDS[backend]
+    if tool_format == "qwen":
+        return GuidedSpec.tool_calls(tools), _call(*first)
+    if tool_format == "kimi":
+        return GuidedSpec.tool_calls(tools, tool_format="kimi"), _section(first)
+    return GuidedSpec.tool_calls(tools, tool_format=tool_format), _listed(tool_format, first)
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tool_format", ["qwen", *LIST_FORMATS, "kimi"])
+def test_behind_the_reasoning_gate_the_call_may_follow_a_short_blank_run(cache_and_tokenizer, backend,
+                                                                         tool_format):
+    """Chat templates and trained models write a blank line after `</think>` ("</think>\\n\\n<tool_call>"): behind
+    the reasoning gate the forced call may follow up to `LEAD_SPACE` spaces or newlines, then is exactly as before;
+    more whitespace, a tab or any other text is refused (the model cannot stall in whitespace). Without the gate
+    (no think block) the call starts at the first token, as before."""
+    spec, call = _forced(tool_format, backend)
+    gated = dataclasses.replace(spec, starts_after="</think>")
+    for lead in ("", "\n", "\n\n", " \n", " " * LEAD_SPACE):
+        assert accepts(cache_and_tokenizer, gated, "plan\n</think>" + lead + call), repr(lead)
+    for lead in ("\n" * (LEAD_SPACE + 1), "\t", "\nok\n"):
+        assert not accepts(cache_and_tokenizer, gated, "plan\n</think>" + lead + call), repr(lead)
+    assert not accepts(cache_and_tokenizer, gated, "plan\n</think>\n\n")  # (whitespace alone is not a call)
+    assert accepts(cache_and_tokenizer, spec, call)
+    assert not accepts(cache_and_tokenizer, spec, "\n" + call)

@@ -117,6 +117,8 @@ def test_behind_the_reasoning_gate_the_reasoning_is_free_and_the_call_forced_aft
     assert not accepts(cache_and_tokenizer, spec, "plan\n</think>get_time(x=1)")
     assert not accepts(cache_and_tokenizer, spec, "plan\n</think>" + _written(tool_format, "get_time(x=1)"))
     assert not accepts(cache_and_tokenizer, spec, "plan " + call)  # (the grammar never started)
+    assert accepts(cache_and_tokenizer, spec, "plan\n</think>\n\n" + call)  # (the blank line templates write)
+    assert not accepts(cache_and_tokenizer, spec, "plan\n</think>\n\n\n\n\n" + call)  # (at most LEAD_SPACE)
 
 
 @needs_xgrammar
