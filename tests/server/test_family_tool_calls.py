@@ -72,13 +72,19 @@ CLOSED = [{"type": "function", "function": {"name": "get_time", "parameters": {
     "additionalProperties": False}}}]
 
 
-def test_a_forced_call_with_jamba_is_written_in_jambas_format():
-    with serving(tool_call_parser="jamba") as base_url:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "time?"}], "tools": CLOSED,
-                "max_tokens": 200, "temperature": 0, "tool_choice": "required", "return_token_ids": True}
+def _required_call(parser: str, content: str, max_tokens: int) -> tuple[dict, str]:
+    """A greedy chat request forcing a call of CLOSED's tool with `--tool-call-parser parser`: its choice and the
+    text of every token it generated (special tokens included)."""
+    with serving(tool_call_parser=parser) as base_url:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "tools": CLOSED,
+                "max_tokens": max_tokens, "temperature": 0, "tool_choice": "required", "return_token_ids": True}
         choice = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120).raise_for_status().json()[
             "choices"][0]
-    text = Tokenizer(ensure_builtin_model()).decode(choice["token_ids"])
+    return choice, Tokenizer(ensure_builtin_model()).decode(choice["token_ids"])
+
+
+def test_a_forced_call_with_jamba_is_written_in_jambas_format():
+    choice, text = _required_call("jamba", "time?", 200)
     assert text.startswith("<tool_calls>[{") and text.endswith("}]</tool_calls>"), text
     assert [call["function"]["name"] for call in choice["message"]["tool_calls"]] == ["get_time"]
     assert choice["finish_reason"] == "tool_calls"
@@ -163,12 +169,7 @@ def test_a_forced_call_with_a_python_call_parser_is_written_as_python_calls(pars
 
 def test_python_calls_required_with_parallel_calls_may_write_several():
     """With parallel calls "required" is one or more calls; each one the server reads back is a valid call."""
-    with serving(tool_call_parser="lfm2") as base_url:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "set it"}], "tools": CLOSED,
-                "max_tokens": 400, "temperature": 0, "tool_choice": "required", "return_token_ids": True}
-        choice = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120).raise_for_status().json()[
-            "choices"][0]
-    text = Tokenizer(ensure_builtin_model()).decode(choice["token_ids"])
+    choice, text = _required_call("lfm2", "set it", 400)
     written = re.fullmatch(PYTHON_CALLS["lfm2"], text, re.S)
     assert written is not None, text
     calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]]
