@@ -39,6 +39,7 @@ from hybridcache.forward_batch import ForwardBatch
 from hybridcache.fp8_format import Fp8Format
 from hybridcache.kernels import streams
 from hybridcache.kernels.activation import reference as activation_ref
+from hybridcache.kernels.attention import latent
 from hybridcache.kernels.attention.base import AttentionBackend
 from hybridcache.kernels.attention.reference_backend import ReferenceAttention
 from hybridcache.kernels.conv import reference as conv_ref
@@ -89,6 +90,19 @@ class KernelBackend(Protocol):
         kv_scales (k_scale, v_scale) of an FP8 (float8_e4m3fn) pool: keys and values read as stored x scale
         returns  [T, Hq, D] in query's dtype. Query head h reads kv head h // (Hq / Hkv); the query at
                  position p (batch.positions) sees keys at positions 0..p of its sequence; softmax in fp32.
+        """
+        ...
+
+    def latent_attention(
+        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float, value_dim: int,
+    ) -> torch.Tensor:
+        """Causal attention of absorbed queries over one layer's pool of latent rows (Kimi Linear's MLA; the rows'
+        layout and the maths: `kernels/attention/latent.py`), the step's rows already written (`write_kv` of
+        `latent.split_rows`).
+
+        query    [T, H, E]; kv_layer [2, num_pages, kernel_block_size, 1, ceil(E / 2)]
+        returns  [T, H, value_dim] in query's dtype: per head, the softmax-weighted sum of the first value_dim
+                 lanes of the rows at positions 0..p (softmax in fp32)
         """
         ...
 
@@ -430,6 +444,12 @@ class ReferenceBackend(SharedOps):
             attention=self.attention_backend.prepare(batch),
         )
         return dataclasses.replace(batch, metadata=metadata)
+
+    def latent_attention(
+        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float, value_dim: int,
+    ) -> torch.Tensor:
+        return latent.latent_attention(query, kv_layer, batch.block_tables, batch.cu_seqlens, batch.query_lens_cpu,
+                                       batch.context_lens_cpu, scale=scale, value_dim=value_dim)
 
     def causal_conv1d(
         self,

@@ -4,6 +4,7 @@
 | ---------------- | ------------------------------------------- | ----------------------------------------------- |
 | write_kv, attention | its attention backend (default "triton", `attention/triton_backend.py`: split-KV decode   |
 |                  | kernel for an all-decode step, the paged flash-attention prefill kernel otherwise)            |
+| latent_attention | one Triton launch (`attention/triton_latent.py`): rows of (token, head), Kimi Linear's MLA |
 | causal_conv1d    | in-place step kernel                        | varlen kernel + state write                     |
 | gated_delta_rule | in-place Triton step kernel                 | our l2norm of q / k, then fla's chunked kernel  |
 |   per-channel g (Kimi Delta Attention) | the same step kernel, g a column | fla's chunked KDA kernels, leading |
@@ -56,6 +57,7 @@ from torch import nn
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels import streams
 from hybridcache.kernels.activation import triton as triton_activation
+from hybridcache.kernels.attention import triton_latent
 from hybridcache.kernels.attention.base import AttentionBackend
 from hybridcache.kernels.backend import SharedOps, mamba1_scan, mamba2_scan, per_channel_delta_scan
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
@@ -218,6 +220,13 @@ class CudaBackend(SharedOps):
             lead=lead,
         )
         return dataclasses.replace(batch, metadata=metadata)
+
+    def latent_attention(
+        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float, value_dim: int,
+    ) -> torch.Tensor:
+        return triton_latent.latent_attention(query, kv_layer, batch.block_tables, batch.cu_seqlens,
+                                              batch.context_lens, batch.query_lens_cpu, scale=scale,
+                                              value_dim=value_dim)
 
     def causal_conv1d(
         self,

@@ -36,9 +36,19 @@ The rule is the backend's `gated_delta_rule` with g [T, H, K] (the DeltaNet op's
 
 MLA without rotary embedding (`mla_use_nope`; transformers' Kimi Linear applies none): a head's query [Dqk],
 key [k_nope_h | k_shared] (Dqk = Dn + Dr; k_shared, Dr wide, is the same for every head), value [Dv]; softmax
-scale Dqk^-1/2. The paged KV holds the expanded keys and values of every head, zero-padded to
-`MLAConfig.cache_head_dim` D (queries padded alike, so q.k is unchanged; the padded output channels are dropped):
-2 x H x D values a token and layer (bf16, the released models: D = 192, 2 x 32 x 192 x 2 B = 24 KiB).
+scale Dqk^-1/2. The paged KV holds each token's latent row [c | k_shared] (E = R + Dr: c = kv_a_layernorm of the
+latent, R = kv_lora_rank), not the heads' expanded keys and values, and the attention runs with `kv_b_proj`'s two
+halves absorbed (DeepSeek-V2's MLA inference form; `kernels/attention/latent.py` has the layout and the maths):
+
+    W_UK, W_UV = kv_b_proj.weight viewed [H, Dn + Dv, R], split [H, Dn, R], [H, Dv, R]
+    qa_h   = [W_UK_h^T q_nope_h | q_shared_h]                       [T, H, E]   (the absorbed query)
+    lat_h  = sum_j softmax_j(scale * qa_h . row_j) c_j              [T, H, R]   (backend.latent_attention)
+    out_h  = W_UV_h lat_h                                           [T, H, Dv]  -> o_proj
+
+qa_h . row_j = q_nope_h . (W_UK_h c_j) + q_shared_h . k_shared_j is the expanded key's score, and W_UV_h lat_h the
+weighted sum of the expanded values, so the results are the expanded attention's up to rounding. A token and layer
+take E values (1,152 B in bf16 for the released models, R = 512, Dr = 64) against the expanded 2 x H x 192
+(24 KiB).
 
 Not supported (a ValueError says so): tensor parallelism, FP8 weights or KV, MTP, MLA with rotary embedding, images.
 """
@@ -53,6 +63,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from hybridcache.kernels.attention.latent import split_rows
 from hybridcache.layers.linear import module_linear
 from hybridcache.layers.mlp import MLP
 from hybridcache.layers.norm import RMSNorm
@@ -142,13 +153,12 @@ class KimiDeltaAttention(nn.Module):
 
 
 class KimiMLA(nn.Module):
-    """Multi-head latent attention without rotary embedding (module docstring) over the paged KV, which holds the
-    expanded keys and values zero-padded to `mla.cache_head_dim`; its latent norms at `MLA_LATENT_NORM_EPS`."""
+    """Multi-head latent attention without rotary embedding over a paged KV of latent rows, `kv_b_proj` absorbed
+    (module docstring); its latent norms at `MLA_LATENT_NORM_EPS`."""
 
     def __init__(self, hidden_size: int, num_heads: int, mla: MLAConfig) -> None:
         super().__init__()
         self.num_heads, self.mla = num_heads, mla
-        self.head_dim = mla.cache_head_dim
         qk = mla.qk_head_dim
         if mla.q_lora_rank is None:
             self.q_proj = nn.Linear(hidden_size, num_heads * qk, bias=False)
@@ -156,7 +166,7 @@ class KimiMLA(nn.Module):
             self.q_a_proj = nn.Linear(hidden_size, mla.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, MLA_LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(mla.q_lora_rank, num_heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, mla.latent_width, bias=False)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, MLA_LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * mla.v_head_dim, hidden_size, bias=False)
@@ -168,11 +178,15 @@ class KimiMLA(nn.Module):
         return self.kv_a_proj_with_mqa
 
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> AttentionSpec:
+        """One kv head of `mla.cache_head_dim` lanes: a latent row's halves in its keys and values."""
         del state_dtype
-        return AttentionSpec(num_kv_heads=self.num_heads, head_dim=self.head_dim, dtype=dtype)
+        return AttentionSpec(num_kv_heads=1, head_dim=self.mla.cache_head_dim, dtype=dtype)
 
-    def _pad(self, x: torch.Tensor) -> torch.Tensor:
-        return F.pad(x, (0, self.head_dim - x.shape[-1]))
+    def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, Dn, R] and W_UV [H, Dv, R]: views of kv_b_proj's weight."""
+        m = self.mla
+        weight = self.kv_b_proj.weight.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        return weight[:, : m.qk_nope_head_dim], weight[:, m.qk_nope_head_dim:]
 
     def forward(self, hidden: torch.Tensor, step: StepContext, kv_layer: torch.Tensor) -> torch.Tensor:
         n, m, heads = hidden.shape[0], self.mla, self.num_heads
@@ -180,19 +194,21 @@ class KimiMLA(nn.Module):
             query = module_linear(self.q_proj, hidden)
         else:
             query = module_linear(self.q_b_proj, self.q_a_layernorm(module_linear(self.q_a_proj, hidden)))
-        latent, k_shared = module_linear(self.kv_a_proj_with_mqa, hidden).split(
-            [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        kv = module_linear(self.kv_b_proj, self.kv_a_layernorm(latent)).view(n, heads, -1)
-        k_nope, value = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
-        key = torch.cat([k_nope, k_shared[:, None].expand(n, heads, m.qk_rope_head_dim)], dim=-1)
-        query = self._pad(query.view(n, heads, m.qk_head_dim))
-        attn = step.core(functools.partial(self._attend, kv_layer), query, self._pad(key), self._pad(value))
-        return module_linear(self.o_proj, attn[..., : m.v_head_dim].reshape(n, -1))
+        q_nope, q_shared = query.view(n, heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
+        latent, k_shared = module_linear(self.kv_a_proj_with_mqa, hidden).split([m.kv_lora_rank, m.qk_rope_head_dim],
+                                                                                dim=-1)
+        rows = torch.cat([self.kv_a_layernorm(latent), k_shared], dim=-1)  # [T, E]
+        w_uk, w_uv = self._up_projections()
+        absorbed = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_shared], dim=-1)  # [T, H, E]
+        attn = step.core(functools.partial(self._attend, kv_layer), absorbed, rows)  # [T, H, R]
+        out = torch.einsum("thr,hvr->thv", attn, w_uv)
+        return module_linear(self.o_proj, out.reshape(n, -1))
 
-    def _attend(self, kv_layer: torch.Tensor, step: StepContext, query: torch.Tensor, key: torch.Tensor,
-                value: torch.Tensor) -> torch.Tensor:
-        step.backend.write_kv(kv_layer, key, value, step.batch)
-        return step.backend.attention(query, kv_layer, step.batch, scale=self.mla.qk_head_dim**-0.5)
+    def _attend(self, kv_layer: torch.Tensor, step: StepContext, absorbed: torch.Tensor,
+                rows: torch.Tensor) -> torch.Tensor:
+        step.backend.write_kv(kv_layer, *split_rows(rows), step.batch)
+        return step.backend.latent_attention(absorbed, kv_layer, step.batch, scale=self.mla.qk_head_dim**-0.5,
+                                             value_dim=self.mla.kv_lora_rank)
 
 
 class KimiExpert(nn.Module):

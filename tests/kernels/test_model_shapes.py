@@ -89,6 +89,16 @@ def test_olmo_hybrid_7b_passes_the_cuda_checks():
     check_cuda_model(shapes, TritonAttention)
 
 
+def test_kimi_linear_48b_passes_the_cuda_checks():
+    """Kimi-Linear-48B's MLA layers cache latent rows of 512 + 64 lanes (a kv head of 288, over the GQA kernels'
+    256): they run `latent_attention`, so no attention head dim is judged; its KDA head dim 128 is."""
+    from tests.models.kimi_helpers import released_kimi_config
+
+    shapes = rank_runner.model_shapes(released_kimi_config())
+    assert (shapes.attention_head_dim, shapes.rotary_dim, shapes.delta_key_head_dim) == (None, None, 128)
+    check_cuda_model(shapes, TritonAttention)
+
+
 def test_shapes_that_pass():
     check_cuda_model(ModelShapes(256, 64, 128, 128, num_experts=512), TritonAttention)
     for dim in (24, 80, 96, 192):  # any attention head dim up to 256 (tiles padded to a power of two)

@@ -29,8 +29,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
                    "topk_group": 2, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
                    "linear_attn_config": {"kda_layers": [1, 2, 4, 5], "full_attn_layers": [3, 6], "num_heads": 2,
                                           "head_dim": 16, "short_conv_kernel_size": 4}},
-    # q_lora, two dense layers, one group, weights not renormalised, two shared experts, an MLA layer first
-    "qlora-dense2": {"num_hidden_layers": 4, "q_lora_rank": 20, "num_experts": 6, "num_experts_per_token": 2,
+    # q_lora, an odd latent row (21 + 8), two dense layers, one group, weights not renormalised, two shared
+    # experts, an MLA layer first
+    "qlora-dense2": {"num_hidden_layers": 4, "q_lora_rank": 20, "kv_lora_rank": 21, "num_experts": 6,
+                     "num_experts_per_token": 2,
                      "num_shared_experts": 2, "moe_renormalize": False, "routed_scaling_factor": 1.0,
                      "first_k_dense_replace": 2,
                      "linear_attn_config": {"kda_layers": [2, 3], "full_attn_layers": [1, 4], "num_heads": 3,
@@ -97,3 +99,17 @@ def make_kimi_pair(variant: str, seed: int = 0, **overrides: Any) -> ModelPair:
     ours = get_model_class("KimiLinearForCausalLM")(ModelConfig.from_dict(raw))
     load_weights(ours, checkpoint_state_dict(hf))
     return ModelPair(hf.config, hf, ours)
+
+
+def released_kimi_config() -> ModelConfig:
+    """Kimi-Linear-48B-A3B-Instruct's config.json (the fields our config reads)."""
+    raw = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 163840,
+           "hidden_size": 2304, "num_hidden_layers": 27, "num_attention_heads": 32, "num_key_value_heads": 32,
+           "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1, "moe_renormalize": True,
+           "num_expert_group": 1, "topk_group": 1, "routed_scaling_factor": 2.446, "model_max_length": 1048576,
+           "first_k_dense_replace": 1, "moe_layer_freq": 1, "mla_use_nope": True, "num_nextn_predict_layers": 0,
+           "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+           "v_head_dim": 128, "linear_attn_config": {
+               "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4,
+               "kda_layers": [i for i in range(1, 27) if i % 4], "full_attn_layers": [4, 8, 12, 16, 20, 24, 27]}}
+    return ModelConfig.from_dict(raw)

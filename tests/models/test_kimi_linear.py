@@ -24,7 +24,7 @@ from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file
     test_single_prefill_and_chunked_prefill,
     test_the_comparison_notices_a_lost_recurrent_state,
 )
-from .kimi_helpers import TINY_KIMI, VARIANTS, checkpoint_state_dict, make_kimi_pair
+from .kimi_helpers import TINY_KIMI, VARIANTS, checkpoint_state_dict, make_kimi_pair, released_kimi_config
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))
@@ -81,8 +81,9 @@ def test_per_channel_rule_continues_across_chunks_and_differs_from_per_head():
 
 
 def test_layers_and_states(pair):
-    """KDA layers hold conv [3 H K, W-1] and ssm [H, K, K]; MLA layers paged KV of every head at the wider of the
-    key (16 + 8) and value (20) head dims, no more; MoE blocks from first_k_dense_replace on."""
+    """KDA layers hold conv [3 H K, W-1] and ssm [H, K, K]; MLA layers one kv head of ceil(E / 2) lanes, E the
+    latent row's (kv_lora_rank + qk_rope_head_dim: 24 + 8, "qlora-dense2" 21 + 8, odd), no more; MoE blocks from
+    first_k_dense_replace on."""
     config = pair.ours.config
     specs = pair.ours.state_specs(torch.float32, torch.float32)
     d, mla = config.gated_delta, config.mla
@@ -93,8 +94,9 @@ def test_layers_and_states(pair):
             assert shapes == {"conv": (3 * d.num_v_heads * d.k_head_dim, d.conv_kernel_size - 1),
                               "ssm": (d.num_v_heads, d.k_head_dim, d.k_head_dim)}
         else:
-            assert (specs[layer_id].num_kv_heads, specs[layer_id].head_dim) == (config.attention.num_heads, 24)
-            assert mla.cache_head_dim == 24 == max(mla.qk_head_dim, mla.v_head_dim)
+            width = {24: 16, 21: 15}[mla.kv_lora_rank]  # (the two variants)
+            assert (specs[layer_id].num_kv_heads, specs[layer_id].head_dim) == (1, width)
+            assert mla.cache_head_dim == width == -(-(mla.kv_lora_rank + mla.qk_rope_head_dim) // 2)
         assert (layer.mlp_name == "block_sparse_moe") == config.is_moe_layer(layer_id)
 
 
@@ -146,18 +148,11 @@ def test_no_shared_expert_loads_transformers_zero_width_one():
 def test_config_reads_the_released_layout():
     """The released config.json's spellings: 1-based kda_layers / full_attn_layers, num_experts,
     num_experts_per_token, num_shared_experts, moe_renormalize, num_expert_group, model_max_length."""
-    raw = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 163840,
-           "hidden_size": 2304, "num_hidden_layers": 27, "num_attention_heads": 32, "num_key_value_heads": 32,
-           "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1, "moe_renormalize": True,
-           "num_expert_group": 1, "topk_group": 1, "routed_scaling_factor": 2.446, "model_max_length": 1048576,
-           "first_k_dense_replace": 1, "moe_layer_freq": 1, "mla_use_nope": True, "num_nextn_predict_layers": 0,
-           "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-           "v_head_dim": 128, "linear_attn_config": {
-               "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4,
-               "kda_layers": [i for i in range(1, 27) if i % 4], "full_attn_layers": [4, 8, 12, 16, 20, 24, 27]}}
-    c = ModelConfig.from_dict(raw)
+    c = released_kimi_config()
     assert c.attention_layer_ids == (3, 7, 11, 15, 19, 23, 26) and c.num_linear_layers == 20
-    assert (c.attention.head_dim, c.attention.use_rope, c.attention.softmax_scale) == (192, False, 192**-0.5)
+    # the paged KV: one kv head of (512 + 64) / 2 lanes, a latent row's halves; the scale of the 192-wide keys
+    assert (c.attention.num_kv_heads, c.attention.head_dim, c.mla.latent_width) == (1, 288, 576)
+    assert (c.attention.use_rope, c.attention.softmax_scale) == (False, 192**-0.5)
     assert c.mlp.moe_layer_ids == tuple(range(1, 27)) and c.mlp.num_experts == 256
     assert c.mlp.num_experts_per_tok == 8 and c.mlp.shared_expert_intermediate_size == 1024
     assert c.mlp.grouped_routing.scaling_factor == 2.446 and c.max_position_embeddings == 1048576

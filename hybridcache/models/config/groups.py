@@ -86,8 +86,9 @@ class MLAConfig:
     from `q_proj` (or `q_a_proj` -> norm -> `q_b_proj` of rank `q_lora_rank`), a latent of `kv_lora_rank` and a
     key part of `qk_rope_head_dim` shared by every head from `kv_a_proj_with_mqa`, the latent expanded per head
     into a key part of `qk_nope_head_dim` and a value of `v_head_dim` by `kv_b_proj`. A head's key is
-    [k_nope | k_shared] (`qk_head_dim` wide), the softmax scale qk_head_dim^-1/2. The paged KV holds the expanded
-    keys and values, both zero-padded to `cache_head_dim` (`ModelConfig.attention.head_dim`)."""
+    [k_nope | k_shared] (`qk_head_dim` wide), the softmax scale qk_head_dim^-1/2. The paged KV holds each token's
+    latent row [latent | k_shared] (`latent_width`), half in the keys and half in the values of one kv head of
+    `cache_head_dim` lanes (`ModelConfig.attention`; `kernels/attention/latent.py` draws the layout)."""
 
     q_lora_rank: int | None
     kv_lora_rank: int
@@ -100,10 +101,15 @@ class MLAConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def latent_width(self) -> int:
+        """E, a cached latent row's lanes: the latent and the shared key part (512 + 64 for the released models)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
     def cache_head_dim(self) -> int:
-        """The head dim of the paged KV: the wider of the key and value heads (192 for the released models: keys
-        of 128 + 64, values of 128 zero-padded to them); the attention kernels take any head dim."""
-        return max(self.qk_head_dim, self.v_head_dim)
+        """The paged KV's head dim: ceil(E / 2), a row's halves in the keys and the values of one kv head (288 for
+        the released models)."""
+        return -(-self.latent_width // 2)
 
 
 @dataclass(frozen=True)

@@ -112,11 +112,11 @@ def _kimi_check(fields: Fields) -> None:
 def kimi_linear_config(raw: Mapping[str, Any], text: Mapping[str, Any], architecture: str) -> ModelConfig:
     """Kimi Linear (`kimi_linear`): KDA layers ("linear_attention", `gated_delta` with as many key as value heads,
     `linear_num_heads` of `linear_head_dim`), MLA layers ("full_attention", `mla`; `attention` holds its paged KV's
-    shape: num_attention_heads heads of `MLAConfig.cache_head_dim`, no rotary embedding, scale
-    qk_head_dim^-1/2), a dense SiLU MLP of `intermediate_size` in the "dense" layers of `mlp_layer_types` (else the
-    first `first_k_dense_replace` layers) and MoE blocks in the others (`num_local_experts` SiLU experts of
-    `moe_intermediate_size`, top `num_experts_per_tok`, routed by `GroupedRouting`, `n_shared_experts` x
-    moe_intermediate_size of shared expert)."""
+    shape: one kv head of `MLAConfig.cache_head_dim` lanes holding the latent rows, num_attention_heads query heads,
+    no rotary embedding, scale qk_head_dim^-1/2), a dense SiLU MLP of `intermediate_size` in the "dense" layers
+    of `mlp_layer_types` (else the first `first_k_dense_replace` layers) and MoE blocks in the others
+    (`num_local_experts` SiLU experts of `moe_intermediate_size`, top `num_experts_per_tok`, routed by
+    `GroupedRouting`, `n_shared_experts` x moe_intermediate_size of shared expert)."""
     defaults = dict(DEFAULTS["kimi_linear"])
     section = _kimi_section(text)
     if isinstance(section.get("num_attention_heads"), int):
@@ -137,7 +137,7 @@ def kimi_linear_config(raw: Mapping[str, Any], text: Mapping[str, Any], architec
                     v_head_dim=fields.integer("v_head_dim"))
     if mla.qk_head_dim < 1:
         raise ValueError("config.json qk_nope_head_dim + qk_rope_head_dim must be at least 1")
-    attention = AttentionConfig(num_heads=num_heads, num_kv_heads=num_heads, head_dim=mla.cache_head_dim, bias=False,
+    attention = AttentionConfig(num_heads=num_heads, num_kv_heads=1, head_dim=mla.cache_head_dim, bias=False,
                                 rope_theta=10000.0, partial_rotary_factor=0.0,
                                 max_position_embeddings=fields.integer("max_position_embeddings"), use_rope=False,
                                 scale=mla.qk_head_dim**-0.5)
