@@ -147,16 +147,16 @@ def test_hybrid_costs_count_their_recurrent_layers(family, variant):
 
 
 @pytest.mark.parametrize("variant", ["moe-groups", "qlora-dense2"])
-def test_kimi_attention_pairs_use_mla_head_dims(variant):
-    """Kimi Linear's attention FLOPs per (query, key) pair: QK^T over the MLA query / key width (qk_nope +
-    qk_rope a head) and PV over the value width, 2 FLOPs a multiply-add, not the head dim of its paged KV (the wider of
-    the two: the values are padded to it)."""
+def test_kimi_attention_pairs_use_the_absorbed_widths(variant):
+    """Kimi Linear's attention FLOPs per (query, key) pair: MLA attends with kv_b_proj absorbed (models/
+    kimi_linear.py), so each head scores the latent row (kv_a_proj_with_mqa's output: latent + shared key part) and
+    sums the latent (kv_a_layernorm's width), 2 FLOPs a multiply-add; neither the expanded heads' key and value
+    widths nor the paged KV's head dim (half a latent row)."""
     config = ModelConfig.from_dict(kimi_model(variant).config.to_dict())
     model = get_model_class(config.architecture)(config)
     widths = 0
     for layer_id in config.attention_layer_ids:
         attn = model.model.layers[layer_id].self_attn
-        query = attn.q_proj if config.mla.q_lora_rank is None else attn.q_b_proj
-        widths += query.out_features + attn.o_proj.in_features  # heads x qk head dim, heads x v head dim
-    assert config.attention.head_dim == config.mla.qk_head_dim > config.mla.v_head_dim  # (the values padded)
+        widths += attn.num_heads * (attn.kv_a_proj_with_mqa.out_features + attn.kv_a_layernorm.weight.numel())
+    assert config.attention.head_dim < config.mla.latent_width
     assert ModelCost.from_config(config).attn_flops_per_token_pair == 2 * widths

@@ -115,6 +115,7 @@ def _latent_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(kv_ptr + key_rows[:, None] + v_off[None, :], mask=key_ok[:, None] & v_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (a graph's padding sequence, context 0: no key, out 0)
     tl.store(out_ptr + q_rows[:, None] * R + v_lanes[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & v_ok[None, :])
