@@ -1,5 +1,5 @@
 """The Triton paged-attention kernels (`attention/triton_paged.py`) at head dims that are not powers of two: 24 (the
-hybrid families' tiny test configs: Jamba, Falcon-H1, Bamba, Nemotron-H), 80 and 192 (Kimi Linear's MLA cache), and
+hybrid families' tiny test configs: Jamba, Falcon-H1, Bamba, Nemotron-H), 80 and 192, and
 32 / 128 as before. Their tiles are the dim rounded up to a power of two and the lanes past it masked.
 
 - `test_interpreted_*` run on the CPU under TRITON_INTERPRET=1, in the child process that

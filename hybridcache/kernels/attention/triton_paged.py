@@ -26,7 +26,7 @@ those past D masked: their loads of q, keys and values give 0 (nothing added to 
 nothing is stored past D into the output or the fp32 partials (pool rows, q, out and partials are D wide). A
 power-of-two D fills its tiles: the mask is a constant True that the compiler drops, so those launches compile as
 unmasked ones (tests/kernels/test_hopper_compile.py checks that no lane compare is left). Head dim 24 (the hybrid
-families' tiny test configs) runs in 32-lane tiles, 80 in 128, 192 (Kimi Linear's MLA cache) in 256.
+families' tiny test configs) runs in 32-lane tiles, 80 in 128, 192 in 256.
 
 fp32 inputs use IEEE fp32 dot products (not tf32), so fp32 runs match the reference to fp32 rounding.
 """
