@@ -94,13 +94,15 @@ class KernelBackend(Protocol):
         ...
 
     def latent_attention(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float, value_dim: int,
+        self, query: torch.Tensor, rows: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
+        value_dim: int,
     ) -> torch.Tensor:
-        """Causal attention of absorbed queries over one layer's pool of latent rows (Kimi Linear's MLA; the rows'
-        layout and the maths: `kernels/attention/latent.py`), the step's rows already written (`write_kv` of
-        `latent.split_rows`).
+        """Write the step's latent rows into one layer's pool, then causal attention of the absorbed queries over
+        its rows (Kimi Linear's MLA; the rows' layout and the maths: `kernels/attention/latent.py`).
 
-        query    [T, H, E]; kv_layer [2, num_pages, kernel_block_size, 1, ceil(E / 2)]
+        query    [T, H, E]; rows [T, E]: token t's row goes to flat row batch.kv_rows[t], its first ceil(E / 2)
+                 lanes into the keys half, the rest into the values half (`latent.split_rows`)
+        kv_layer [2, num_pages, kernel_block_size, 1, ceil(E / 2)]
         returns  [T, H, value_dim] in query's dtype: per head, the softmax-weighted sum of the first value_dim
                  lanes of the rows at positions 0..p (softmax in fp32)
         """
@@ -446,8 +448,10 @@ class ReferenceBackend(SharedOps):
         return dataclasses.replace(batch, metadata=metadata)
 
     def latent_attention(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float, value_dim: int,
+        self, query: torch.Tensor, rows: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
+        value_dim: int,
     ) -> torch.Tensor:
+        self.write_kv(kv_layer, *latent.split_rows(rows), batch)
         return latent.latent_attention(query, kv_layer, batch.block_tables, batch.cu_seqlens, batch.query_lens_cpu,
                                        batch.context_lens_cpu, scale=scale, value_dim=value_dim)
 

@@ -57,7 +57,7 @@ from torch import nn
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels import streams
 from hybridcache.kernels.activation import triton as triton_activation
-from hybridcache.kernels.attention import triton_latent
+from hybridcache.kernels.attention import latent, triton_latent
 from hybridcache.kernels.attention.base import AttentionBackend
 from hybridcache.kernels.backend import SharedOps, mamba1_scan, mamba2_scan, per_channel_delta_scan
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
@@ -222,8 +222,10 @@ class CudaBackend(SharedOps):
         return dataclasses.replace(batch, metadata=metadata)
 
     def latent_attention(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float, value_dim: int,
+        self, query: torch.Tensor, rows: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
+        value_dim: int,
     ) -> torch.Tensor:
+        self.write_kv(kv_layer, *latent.split_rows(rows), batch)
         return triton_latent.latent_attention(query, kv_layer, batch.block_tables, batch.cu_seqlens,
                                               batch.context_lens, batch.query_lens_cpu, scale=scale,
                                               value_dim=value_dim)

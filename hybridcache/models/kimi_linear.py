@@ -63,7 +63,6 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from hybridcache.kernels.attention.latent import split_rows
 from hybridcache.layers.linear import module_linear
 from hybridcache.layers.mlp import MLP
 from hybridcache.layers.norm import RMSNorm
@@ -206,8 +205,7 @@ class KimiMLA(nn.Module):
 
     def _attend(self, kv_layer: torch.Tensor, step: StepContext, absorbed: torch.Tensor,
                 rows: torch.Tensor) -> torch.Tensor:
-        step.backend.write_kv(kv_layer, *split_rows(rows), step.batch)
-        return step.backend.latent_attention(absorbed, kv_layer, step.batch, scale=self.mla.qk_head_dim**-0.5,
+        return step.backend.latent_attention(absorbed, rows, kv_layer, step.batch, scale=self.mla.qk_head_dim**-0.5,
                                              value_dim=self.mla.kv_lora_rank)
 
 
