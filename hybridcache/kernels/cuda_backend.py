@@ -227,7 +227,8 @@ class CudaBackend(SharedOps):
     ) -> torch.Tensor:
         self.write_kv(kv_layer, *latent.split_rows(rows), batch)
         return triton_latent.latent_attention(query, kv_layer, batch.block_tables, batch.cu_seqlens,
-                                              batch.context_lens, batch.query_lens_cpu, scale=scale,
+                                              batch.context_lens, batch.query_lens_cpu,
+                                              self.step_metadata(batch).max_context_len, scale=scale,
                                               value_dim=value_dim)
 
     def causal_conv1d(

@@ -106,12 +106,14 @@ def test_bad_shapes_are_refused():
         latent.latent_attention(q.double(), kv.kv_pool, *args, scale=1.0, value_dim=rank)
 
 
-def _kernel_against_reference(case: str, widths: tuple[int, int, int], dtype: torch.dtype, device: torch.device):
+def _kernel_against_reference(case: str, widths: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
+                              num_splits: int | None = None):
     from hybridcache.kernels.attention.triton_latent import latent_attention
 
     batch, kv, q, rank = _inputs(case, widths, dtype, device)
     out = latent_attention(q, kv.kv_pool, kv.block_tables, batch.cu_seqlens, batch.context_lens,
-                           batch.query_lens_cpu, scale=0.3, value_dim=rank)
+                           batch.query_lens_cpu, max(batch.context_lens_cpu), scale=0.3, value_dim=rank,
+                           num_splits=num_splits)
     # the reference rounds its probabilities to q's dtype before the sum: an fp32 oracle on the same inputs
     ref = latent.latent_attention(q.float(), kv.kv_pool.float(), kv.block_tables, batch.cu_seqlens,
                                   batch.query_lens_cpu, batch.context_lens_cpu, scale=0.3, value_dim=rank)
@@ -128,15 +130,30 @@ def test_latent_attention_in_a_triton_interpreter_subprocess() -> None:
 @needs_interpreter
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("widths", sorted(WIDTHS))
-def test_interpreted_latent_kernel(case: str, widths: str) -> None:
-    _kernel_against_reference(case, WIDTHS[widths], torch.float32, torch.device("cpu"))
+@pytest.mark.parametrize("num_splits", [1, 3, None], ids=["whole", "splits3", "chosen"])
+def test_interpreted_latent_kernel(case: str, widths: str, num_splits: int | None) -> None:
+    """Every key in one program, in 3 splits (a split past a row's position: m = -inf, l = 0 merged away), and as
+    `latent_splits` chooses (the interpreter's 64 "multiprocessors": mostly split)."""
+    _kernel_against_reference(case, WIDTHS[widths], torch.float32, torch.device("cpu"), num_splits)
+
+
+def test_splits_fill_the_multiprocessors():
+    """`latent_splits`: its docstring's examples, and a split never under MIN_SPLIT_KEYS keys."""
+    pytest.importorskip("triton")
+    from hybridcache.kernels.attention.triton_latent import MIN_SPLIT_KEYS, latent_splits
+
+    assert latent_splits(4, 100_000, 132) == 66
+    assert latent_splits(256, 100_000, 132) == 1
+    assert latent_splits(4, 2, 132) == 1 and latent_splits(4, 3 * MIN_SPLIT_KEYS, 132) == 3
+    assert latent_splits(1, 10**7, 132) == 128  # (MAX_SPLITS)
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_cuda_latent_kernel_at_kimi_widths(dtype: torch.dtype, case: str) -> None:
-    _kernel_against_reference(case, (32, 512, 64), dtype, torch.device("cuda"))
+@pytest.mark.parametrize("num_splits", [1, 5, None], ids=["whole", "splits5", "chosen"])
+def test_cuda_latent_kernel_at_kimi_widths(dtype: torch.dtype, case: str, num_splits: int | None) -> None:
+    _kernel_against_reference(case, (32, 512, 64), dtype, torch.device("cuda"), num_splits)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -151,11 +168,11 @@ def test_latent_kernel_compiles_for_hopper(dtype: str, decode: bool) -> None:
 
     kernel = triton_latent._latent_kernel
     cfg = triton_latent.latent_config(torch.bfloat16 if dtype == "bf16" else torch.float32)
-    table = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "bt_ptr": "*i32", "cu_ptr": "*i32",
-             "ctx_ptr": "*i32", "chunk_ptr": "*i32"}
-    ints = [p.name for p in kernel.params if p.name.startswith("stride_")]
+    table = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
+             "bt_ptr": "*i32", "cu_ptr": "*i32", "ctx_ptr": "*i32", "chunk_ptr": "*i32"}
+    ints = [p.name for p in kernel.params if p.name.startswith("stride_") or p.name == "num_splits"]
     constants = dict(H=32, W=288, E=576, R=512, PAGE=16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                     BLOCK_E=cfg.block_e, BLOCK_V=cfg.block_v, DECODE=decode,
+                     BLOCK_E=cfg.block_e, BLOCK_V=cfg.block_v, DECODE=decode, PARTIAL=decode,
                      PRECISION="tf32" if dtype == "bf16" else "ieee")
     compiled = compile_for_hopper(kernel, table, ints, constants, num_warps=cfg.num_warps, floats=("qk_scale",))
     assert ("mma" in compiled.asm["ptx"]) == (dtype == "bf16")

@@ -16,12 +16,15 @@ Decode (every sequence one token) needs no block table of (sequence, block) pair
 p // ceil(H / BLOCK_M), so a CUDA graph's launch is fixed by the batch size. Otherwise the pairs come from
 `varlen.chunk_indices` over the rows (cu_seqlens x H).
 
-Not done: key splits for a few long contexts (one program per block of rows walks all its keys), tuned tiles.
+Few programs over a long context (a decode row at a small batch: 4 programs for Kimi's 512 output lanes) would
+leave most multiprocessors idle: their keys are cut into splits (`latent_splits`), one program each, whose partial
+softmax sums the paged decode's merge kernel combines. Not done: tuned tiles.
 fp32 inputs use IEEE fp32 dot products (not tf32), so fp32 runs match the reference to fp32 rounding.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels import pdl
 from hybridcache.kernels.attention.latent import check_latent_shapes
+from hybridcache.kernels.attention.triton_paged import _MERGE_BLOCK_S, _decode_merge_kernel
 from hybridcache.kernels.varlen import chunk_indices
 
 _LOG2E = 1.4426950408889634
@@ -61,16 +66,21 @@ def _lane_offsets(lanes, W: tl.constexpr, stride_kind):
     return tl.where(lanes < W, lanes, stride_kind + lanes - W)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _latent_kernel(
-    q_ptr, kv_ptr, out_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, qk_scale,
+    q_ptr, kv_ptr, out_ptr, acc_ptr, ml_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, qk_scale, num_splits,
     stride_kind, stride_page, stride_row, stride_bt,
     H: tl.constexpr, W: tl.constexpr, E: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_V: tl.constexpr,
-    DECODE: tl.constexpr, PRECISION: tl.constexpr,
+    DECODE: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """One (output lanes, block of rows, key split) program. PARTIAL: the split-th of num_splits runs of whole key
+    blocks of [0, last), cut from the device lengths; its unnormalised sums go to acc [T * H, splits, R] and
+    (m, l) [T * H, splits, 2] for `triton_paged._decode_merge_kernel` (a split past a row's position leaves it
+    m = -inf, l = 0). Otherwise every key of [0, last) and the normalised rows into out."""
     v_block = tl.program_id(0)
     pid = tl.program_id(1)
+    split = tl.program_id(2)
     if DECODE:
         blocks_per_seq: tl.constexpr = (H + BLOCK_M - 1) // BLOCK_M
         seq = (pid // blocks_per_seq).to(tl.int64)
@@ -86,6 +96,12 @@ def _latent_kernel(
     q_pos = ctx - query_len + rows // H
     q_rows = bos * H + rows.to(tl.int64)  # rows of q and out viewed [T * H, ...]
     last = tl.minimum(ctx, ctx - query_len + (block * BLOCK_M + BLOCK_M - 1) // H + 1)  # one past the last key seen
+    lo = 0
+    hi = last
+    if PARTIAL:
+        split_len = tl.cdiv(tl.cdiv(last, BLOCK_N), num_splits) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, last)
     v_lanes = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = v_lanes < R
     v_off = _lane_offsets(v_lanes, W, stride_kind)
@@ -93,9 +109,9 @@ def _latent_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
-    for start in range(0, last, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         keys_pos = start + tl.arange(0, BLOCK_N)
-        key_ok = keys_pos < last
+        key_ok = keys_pos < hi
         page = tl.load(bt_row + keys_pos // PAGE, mask=key_ok, other=0).to(tl.int64)
         key_rows = page * stride_page + (keys_pos % PAGE).to(tl.int64) * stride_row
         s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -108,26 +124,53 @@ def _latent_kernel(
                         mask=key_ok[:, None] & lane_ok[None, :], other=0.0)
             s += tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         s = tl.where((keys_pos[None, :] <= q_pos[:, None]) & key_ok[None, :], s * qk_scale, float("-inf"))
-        # key 0 is in the first block and every row sees it (q_pos >= 0), so m_new is finite from the first block on
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # a row that has seen no key yet (a split past its position) keeps m = -inf and sums 0, not NaN
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_base)
+        p = tl.exp2(s - m_base[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(kv_ptr + key_rows[:, None] + v_off[None, :], mask=key_ok[:, None] & v_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (a graph's padding sequence, context 0: no key, out 0)
-    tl.store(out_ptr + q_rows[:, None] * R + v_lanes[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & v_ok[None, :])
+    if PARTIAL:
+        part = q_rows * num_splits + split
+        tl.store(acc_ptr + part[:, None] * R + v_lanes[None, :], acc, mask=row_ok[:, None] & v_ok[None, :])
+        first = row_ok & (rows * 0 + v_block == 0)  # (m, l) from the programs of the first lanes
+        tl.store(ml_ptr + part * 2, m_i, mask=first)
+        tl.store(ml_ptr + part * 2 + 1, l_i, mask=first)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (a graph's padding sequence, context 0: no key, out 0)
+        tl.store(out_ptr + q_rows[:, None] * R + v_lanes[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & v_ok[None, :])
+
+
+# A key split covers at least this many keys: shorter runs cost more in partial sums than their programs gain
+MIN_SPLIT_KEYS = 256
+MAX_SPLITS = 128
+
+
+def latent_splits(num_programs: int, max_context_len: int, num_sms: int) -> int:
+    """Key splits per program: 1 when the (lanes, rows) programs already fill the multiprocessors, else as many as
+    cover them about twice, each at least MIN_SPLIT_KEYS keys of the longest context, at most MAX_SPLITS. Host
+    arithmetic only. Example: one Kimi decode row over 100,000 keys, 4 programs (512 lanes / 128) on 132 SMs:
+    min(66, 390, 128) = 66 splits of ~1,500 keys; 64 decode rows: 256 programs, 1."""
+    if num_programs >= num_sms:
+        return 1
+    wanted = -(-2 * num_sms // max(1, num_programs))
+    return max(1, min(wanted, max_context_len // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
 def latent_attention(
     q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, cu_seqlens: torch.Tensor,
-    context_lens: torch.Tensor, query_lens_cpu: Sequence[int], *, scale: float, value_dim: int,
-    config: LatentConfig | None = None,
+    context_lens: torch.Tensor, query_lens_cpu: Sequence[int], max_context_len: int, *, scale: float, value_dim: int,
+    config: LatentConfig | None = None, num_splits: int | None = None,
 ) -> torch.Tensor:
-    """`latent.latent_attention` (q [T, H, E], a pool [2, pages, page, 1, W] -> [T, H, value_dim] in q's dtype) in
-    one launch; `context_lens` on the device (query_lens_cpu sizes the grid)."""
+    """`latent.latent_attention` (q [T, H, E], a pool [2, pages, page, 1, W] -> [T, H, value_dim] in q's dtype);
+    `context_lens` on the device, query_lens_cpu and max_context_len (the longest context, or more: a graph's
+    capture passes max_model_len) on the host size the grid. num_splits: key splits (None: `latent_splits`). A
+    decode step always writes partial sums and merges them (`triton_paged._decode_merge_kernel`), so a captured
+    decode graph serves any context; other steps do only when split."""
     check_latent_shapes(q, kv_pool, value_dim)
     if not kv_pool.is_contiguous():
         raise ValueError("kv_pool must be contiguous")
@@ -144,12 +187,30 @@ def latent_attention(
     else:
         table = chunk_indices(cu_seqlens * num_heads, [length * num_heads for length in query_lens_cpu], cfg.block_m)
         num_blocks = table.shape[0]
-    grid = (triton.cdiv(value_dim, cfg.block_v), num_blocks)
-    _latent_kernel[grid](
-        q, kv_pool, out, block_tables, cu_seqlens, context_lens, table, scale * _LOG2E,
+    v_blocks = triton.cdiv(value_dim, cfg.block_v)
+    if num_splits is None:
+        num_splits = latent_splits(v_blocks * num_blocks, max_context_len, _num_sms(q.device))
+    partial = decode or num_splits > 1
+    acc = ml = out  # (unread unless partial)
+    if partial:
+        acc = torch.empty(num_tokens, num_heads, num_splits, value_dim, dtype=torch.float32, device=q.device)
+        ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    _latent_kernel[(v_blocks, num_blocks, num_splits if partial else 1)](
+        q, kv_pool, out, acc, ml, block_tables, cu_seqlens, context_lens, table, scale * _LOG2E, num_splits,
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0),
         H=num_heads, W=kv_pool.shape[-1], E=latent_width, R=value_dim, PAGE=kv_pool.shape[2],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_E=cfg.block_e, BLOCK_V=cfg.block_v, DECODE=decode,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
+        PARTIAL=partial, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
     )
+    if partial:
+        _decode_merge_kernel[(num_tokens, num_heads)](
+            acc, ml, out, out.stride(0), out.stride(1), num_heads, num_splits, D=value_dim,
+            D_PAD=triton.next_power_of_2(value_dim), BLOCK_S=_MERGE_BLOCK_S, **pdl.options(acc),
+        )
     return out
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """The device's multiprocessors (64 off CUDA: the interpreter's runs)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 64
