@@ -1,0 +1,168 @@
+"""Kimi Linear's MLA attention on the GPU: the latent kernel (`attention/triton_latent.py`, what the engine runs
+since the latent cache) against the paged GQA kernels over the expanded keys and values it replaced
+(`attention/triton_paged.py`, 32 heads of 192, values padded), at Kimi-Linear-48B's widths, one layer, bf16.
+
+    PYTHONUNBUFFERED=1 python benchmarks/latent_attention_bench.py [--out DIR]
+
+Each case times the attention alone (median of `triton.testing.do_bench`, CUDA-graph replays for the decode
+cases), the latent path's time including its absorbed up-projections on either side (the two einsums of
+`KimiMLA`; the expanded path's kv_b_proj of the step's own tokens is left out, so the comparison flatters the old
+path), and the KV bytes each layout reads. Checks the latent kernel against the torch reference first (bf16
+within 2e-2 of the fp32 reference). Prints a table and writes DIR/latent_attention.json (DIR: $OUT or .).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hybridcache.kernels.attention import (  # noqa: E402
+    latent,  # noqa: E402
+    triton_latent,
+    triton_paged,
+)
+
+DEV, BF16 = torch.device("cuda"), torch.bfloat16
+HEADS, RANK, SHARED, NOPE, VDIM, PAGE = 32, 512, 64, 128, 128, 16
+E = RANK + SHARED
+SCALE = (NOPE + SHARED) ** -0.5
+# (name, query lengths, cached tokens before them)
+CASES = [
+    ("decode 64 x 1,024", (1,) * 64, (1023,) * 64),
+    ("decode 8 x 8,192", (1,) * 8, (8191,) * 8),
+    ("decode 1 x 32,768", (1,), (32767,)),
+    ("decode 1 x 131,072", (1,), (131071,)),
+    ("prefill 1 x 2,048 fresh", (2048,), (0,)),
+    ("prefill chunk 2,048 over 30,000", (2048,), (30000,)),
+    ("prefill 16 x 1,024 fresh", (1024,) * 16, (0,) * 16),
+]
+
+
+def median_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def graph_ms(fn) -> float:
+    """Median of CUDA-graph replays (a decode step runs in a graph in the engine)."""
+    fn()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay)
+
+
+def batch(lengths, history):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    ctx = [h + q for h, q in zip(history, lengths, strict=True)]
+    pages = [-(-c // PAGE) for c in ctx]
+    table = torch.zeros(len(ctx), max(pages), dtype=torch.int32)
+    start = 0
+    for i, count in enumerate(pages):
+        table[i, :count] = torch.arange(start, start + count)
+        start += count
+    return cu, torch.tensor(ctx, dtype=torch.int32, device=DEV), table.to(DEV), ctx, start
+
+
+def time_latent(lengths, history, row: dict) -> None:
+    """The latent kernel alone and with its up-projections; its error against the fp32 reference."""
+    cu, ctx_dev, table, ctx, num_pages = batch(lengths, history)
+    tokens, max_ctx = sum(lengths), max(ctx)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    pool = torch.randn(2, num_pages, PAGE, 1, E // 2, device=DEV, generator=gen).to(BF16)
+    absorbed = torch.randn(tokens, HEADS, E, device=DEV, generator=gen).to(BF16)
+    q_nope = torch.randn(tokens, HEADS, NOPE, device=DEV, generator=gen).to(BF16)
+    w_uk = torch.randn(HEADS, NOPE, RANK, device=DEV, generator=gen).to(BF16) * RANK**-0.5
+    w_uv = torch.randn(HEADS, VDIM, RANK, device=DEV, generator=gen).to(BF16) * RANK**-0.5
+
+    def ours():
+        return triton_latent.latent_attention(absorbed, pool, table, cu, ctx_dev, lengths, max_ctx, scale=SCALE,
+                                              value_dim=RANK)
+
+    def ours_with_projections():
+        q = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), absorbed[..., RANK:]], dim=-1)
+        lat = triton_latent.latent_attention(q, pool, table, cu, ctx_dev, lengths, max_ctx, scale=SCALE,
+                                             value_dim=RANK)
+        return torch.einsum("thr,hvr->thv", lat, w_uv)
+
+    if sum(ctx) <= 300_000:  # the reference gathers every context: only where it fits comfortably
+        ref = latent.latent_attention(absorbed.float(), pool.float(), table, cu, lengths, ctx, scale=SCALE,
+                                      value_dim=RANK)
+        row["max_rel_err"] = ((ours().float() - ref).abs().max() / ref.abs().max()).item()
+    timer = graph_ms if all(n == 1 for n in lengths) else median_ms
+    row["latent_ms"] = timer(ours)
+    row["latent_with_up_projections_ms"] = timer(ours_with_projections)
+    row["latent_kv_bytes"] = sum(ctx) * E * 2
+    row["latent_read_tb_s"] = row["latent_kv_bytes"] / row["latent_ms"] / 1e9
+
+
+def time_expanded(lengths, history, row: dict) -> None:
+    """The paged GQA kernels over every head's keys and values (192 wide, values padded): the old layout."""
+    cu, ctx_dev, table, ctx, num_pages = batch(lengths, history)
+    tokens, max_ctx = sum(lengths), max(ctx)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    expanded = torch.randn(2, num_pages, PAGE, HEADS, NOPE + SHARED, device=DEV, generator=gen).to(BF16)
+    query = torch.randn(tokens, HEADS, NOPE + SHARED, device=DEV, generator=gen).to(BF16)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    block_m = triton_paged.default_prefill_config(256, BF16).block_m
+    splits = triton_paged.prefill_splits(-(-tokens // block_m) * HEADS, max_ctx, sms)
+
+    def decode():
+        return triton_paged.paged_decode_attention(query, expanded, table, ctx_dev, max_ctx, scale=SCALE)
+
+    def prefill():
+        return triton_paged.paged_prefill_attention(query, expanded, table, cu, ctx_dev, lengths, scale=SCALE,
+                                                    num_splits=splits)
+
+    row["expanded_ms"] = graph_ms(decode) if all(n == 1 for n in lengths) else median_ms(prefill)
+    row["expanded_kv_bytes"] = sum(ctx) * 2 * HEADS * (NOPE + SHARED) * 2
+
+
+def run_case(name, lengths, history) -> dict:
+    row = {"case": name, "tokens": sum(lengths), "max_context": max(h + n for h, n in zip(history, lengths))}
+    time_latent(lengths, history, row)
+    torch.cuda.empty_cache()
+    time_expanded(lengths, history, row)
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+    rows = []
+    for name, lengths, history in CASES:
+        try:
+            rows.append(run_case(name, lengths, history))
+        except Exception as error:  # a case that fails is reported, and the others still run
+            rows.append({"case": name, "error": repr(error)})
+        print(rows[-1], flush=True)
+    print("\n| case | latent ms | + up-projections | expanded ms | latent / expanded | KV bytes latent / expanded |"
+          " max rel err |\n| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['case']} | error: {r['error'][:80]} | | | | | |")
+            continue
+        print(f"| {r['case']} | {r['latent_ms']:.3f} | {r['latent_with_up_projections_ms']:.3f} | "
+              f"{r['expanded_ms']:.3f} | {r['latent_ms'] / r['expanded_ms']:.2f} | "
+              f"{r['latent_kv_bytes'] / 1e6:.1f} MB / {r['expanded_kv_bytes'] / 1e6:.1f} MB | "
+              f"{r.get('max_rel_err', float('nan')):.1e} |")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "latent_attention.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
