@@ -24,11 +24,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybridcache.kernels.attention import (  # noqa: E402
-    latent,  # noqa: E402
-    triton_latent,
-    triton_paged,
-)
+from hybridcache.kernels.attention import latent, triton_latent, triton_paged  # noqa: E402
 
 DEV, BF16 = torch.device("cuda"), torch.bfloat16
 HEADS, RANK, SHARED, NOPE, VDIM, PAGE = 32, 512, 64, 128, 128, 16
