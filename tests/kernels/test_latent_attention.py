@@ -137,6 +137,25 @@ def test_interpreted_latent_kernel(case: str, widths: str, num_splits: int | Non
     _kernel_against_reference(case, WIDTHS[widths], torch.float32, torch.device("cpu"), num_splits)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_interpreted_latent_kernel_in_a_bigger_grid(num_splits: int) -> None:
+    """A graph captured for one sequence of 40 rows (`SequenceGraphs`) replays a step of 7 tokens after 30 cached:
+    the grid is sized for 40 tokens, the device lengths say 7, and the programs past the sequence's blocks find none
+    (`_find_block`) and write nothing, while its 7 rows equal the reference's."""
+    from hybridcache.kernels.attention.triton_latent import latent_attention
+
+    batch, kv, q, rank = _inputs("prefill", WIDTHS["H3-E29"], torch.float32, torch.device("cpu"))
+    real = varlen_batch((7,), (30,), torch.device("cpu"))
+    kv_rows_table = kv.block_tables[1:2]  # the second sequence's pages hold 150 + 5 rows: read its first 37
+    padded = torch.cat([q[:7], torch.full((33, *q.shape[1:]), float("nan"))])
+    out = latent_attention(padded, kv.kv_pool, kv_rows_table, real.cu_seqlens, real.context_lens, (40,), 4000,
+                           scale=0.3, value_dim=rank, num_splits=num_splits)
+    ref = latent.latent_attention(q[:7], kv.kv_pool, kv_rows_table, real.cu_seqlens, (7,), (37,), scale=0.3,
+                                  value_dim=rank)
+    assert_within({"out": error_stats(out[:7], ref)}, {"out": OURS[torch.float32]})
+
+
 def test_splits_fill_the_multiprocessors():
     """`latent_splits`: its docstring's examples, and a split never under MIN_SPLIT_KEYS keys."""
     pytest.importorskip("triton")
@@ -169,8 +188,8 @@ def test_latent_kernel_compiles_for_hopper(dtype: str, decode: bool) -> None:
     kernel = triton_latent._latent_kernel
     cfg = triton_latent.latent_config(torch.bfloat16 if dtype == "bf16" else torch.float32)
     table = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
-             "bt_ptr": "*i32", "cu_ptr": "*i32", "ctx_ptr": "*i32", "chunk_ptr": "*i32"}
-    ints = [p.name for p in kernel.params if p.name.startswith("stride_") or p.name == "num_splits"]
+             "bt_ptr": "*i32", "cu_ptr": "*i32", "ctx_ptr": "*i32"}
+    ints = [p.name for p in kernel.params if p.name.startswith("stride_") or p.name in ("num_splits", "num_seqs")]
     constants = dict(H=32, W=288, E=576, R=512, PAGE=16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                      BLOCK_E=cfg.block_e, BLOCK_V=cfg.block_v, DECODE=decode, PARTIAL=decode,
                      PRECISION="tf32" if dtype == "bf16" else "ieee")

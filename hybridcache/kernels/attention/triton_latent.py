@@ -12,9 +12,11 @@ Worked example, H = 4, a sequence of 3 new tokens after 5 cached ones, BLOCK_M =
 block 0 holds rows 0-7 (tokens 0 and 1, positions 5 and 6, every head) and reads keys [0, 7); block 1 holds rows
 8-11 (token 2, position 7) and rows 12-15 past the sequence (loaded as 0, never stored), and reads keys [0, 8).
 
-Decode (every sequence one token) needs no block table of (sequence, block) pairs: program p takes sequence
-p // ceil(H / BLOCK_M), so a CUDA graph's launch is fixed by the batch size. Otherwise the pairs come from
-`varlen.chunk_indices` over the rows (cu_seqlens x H).
+Which sequence and block a program takes is read on the device: in a decode step (every sequence one token)
+program p takes sequence p // ceil(H / BLOCK_M); otherwise each program counts the blocks of the sequences before
+it from cu_seqlens (`_find_block`, a loop over the sequences). The host lengths only size the grid, so a CUDA graph
+captured for more rows than a step has (`prefill_graphs.SequenceGraphs`: one sequence in a bucket of B rows) runs
+its spare programs as empty ones.
 
 Few programs over a long context (a decode row at a small batch: 4 programs for Kimi's 512 output lanes) would
 leave most multiprocessors idle: their keys are cut into splits (`latent_splits`), one program each, whose partial
@@ -35,7 +37,6 @@ import triton.language as tl
 from hybridcache.kernels import pdl
 from hybridcache.kernels.attention.latent import check_latent_shapes
 from hybridcache.kernels.attention.triton_paged import _MERGE_BLOCK_S, _decode_merge_kernel
-from hybridcache.kernels.varlen import chunk_indices
 
 _LOG2E = 1.4426950408889634
 
@@ -66,9 +67,25 @@ def _lane_offsets(lanes, W: tl.constexpr, stride_kind):
     return tl.where(lanes < W, lanes, stride_kind + lanes - W)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit
+def _find_block(cu_ptr, pid, num_seqs, H: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(sequence, block of its rows) of program `pid`, the blocks numbered sequence after sequence from the device
+    lengths; sequence -1 for a program past the last block (a graph captured for more rows than the step has)."""
+    seq = pid * 0 - 1
+    block = pid * 0
+    before = pid * 0  # the blocks of the sequences before i
+    for i in range(0, num_seqs):
+        count = ((tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i)) * H + BLOCK_M - 1) // BLOCK_M
+        mine = (pid >= before) & (pid < before + count)
+        seq = tl.where(mine, i, seq)
+        block = tl.where(mine, pid - before, block)
+        before += count
+    return seq, block
+
+
+@triton.jit(do_not_specialize=["num_splits", "num_seqs"])
 def _latent_kernel(
-    q_ptr, kv_ptr, out_ptr, acc_ptr, ml_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, qk_scale, num_splits,
+    q_ptr, kv_ptr, out_ptr, acc_ptr, ml_ptr, bt_ptr, cu_ptr, ctx_ptr, num_seqs, qk_scale, num_splits,
     stride_kind, stride_page, stride_row, stride_bt,
     H: tl.constexpr, W: tl.constexpr, E: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -83,14 +100,18 @@ def _latent_kernel(
     split = tl.program_id(2)
     if DECODE:
         blocks_per_seq: tl.constexpr = (H + BLOCK_M - 1) // BLOCK_M
-        seq = (pid // blocks_per_seq).to(tl.int64)
+        seq = pid // blocks_per_seq
         block = pid % blocks_per_seq
+        found = pid >= 0
     else:
-        seq = tl.load(chunk_ptr + 2 * pid).to(tl.int64)
-        block = tl.load(chunk_ptr + 2 * pid + 1)
+        seq, block = _find_block(cu_ptr, pid, num_seqs, H, BLOCK_M)
+        found = seq >= 0
+        seq = tl.maximum(seq, 0)
+    seq = seq.to(tl.int64)
     bos = tl.load(cu_ptr + seq).to(tl.int64)
-    query_len = (tl.load(cu_ptr + seq + 1) - tl.load(cu_ptr + seq)).to(tl.int32)
-    ctx = tl.load(ctx_ptr + seq).to(tl.int32)
+    # (a program with no block: no row and no key)
+    query_len = tl.where(found, (tl.load(cu_ptr + seq + 1) - tl.load(cu_ptr + seq)).to(tl.int32), 0)
+    ctx = tl.where(found, tl.load(ctx_ptr + seq).to(tl.int32), 0)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)  # (token, head) rows of the sequence: token rows // H
     row_ok = rows < query_len * H
     q_pos = ctx - query_len + rows // H
@@ -182,11 +203,9 @@ def latent_attention(
     cfg = config or latent_config(q.dtype)
     decode = all(length == 1 for length in query_lens_cpu)
     if decode:
-        table = cu_seqlens  # (unread)
         num_blocks = len(query_lens_cpu) * triton.cdiv(num_heads, cfg.block_m)
     else:
-        table = chunk_indices(cu_seqlens * num_heads, [length * num_heads for length in query_lens_cpu], cfg.block_m)
-        num_blocks = table.shape[0]
+        num_blocks = sum(triton.cdiv(length * num_heads, cfg.block_m) for length in query_lens_cpu)
     v_blocks = triton.cdiv(value_dim, cfg.block_v)
     if num_splits is None:
         num_splits = latent_splits(v_blocks * num_blocks, max_context_len, _num_sms(q.device))
@@ -196,7 +215,8 @@ def latent_attention(
         acc = torch.empty(num_tokens, num_heads, num_splits, value_dim, dtype=torch.float32, device=q.device)
         ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     _latent_kernel[(v_blocks, num_blocks, num_splits if partial else 1)](
-        q, kv_pool, out, acc, ml, block_tables, cu_seqlens, context_lens, table, scale * _LOG2E, num_splits,
+        q, kv_pool, out, acc, ml, block_tables, cu_seqlens, context_lens, len(query_lens_cpu), scale * _LOG2E,
+        num_splits,
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0),
         H=num_heads, W=kv_pool.shape[-1], E=latent_width, R=value_dim, PAGE=kv_pool.shape[2],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_E=cfg.block_e, BLOCK_V=cfg.block_v, DECODE=decode,
