@@ -62,10 +62,13 @@ class GuidedKind(enum.Enum):
 #               <function_calls>N(a=1)\n...</function_calls> (OLMo 3), [N(a=1), ...] (the whole reply)
 TOOL_FORMATS = ("qwen", *LIST_TAGS, "kimi", *PYTHON_FORMATS)
 
-# Behind a marker (`GuidedSpec.starts_after`: a reasoning model's `</think>`) a forced call may follow up to this
-# many spaces or newlines: chat templates and trained models write a blank line there ("</think>\n\n<tool_call>"),
-# and a grammar that refused it would push the model off what it learned. Bounded, so it cannot stall in whitespace.
+# Behind a marker (`GuidedSpec.starts_after`: a reasoning model's `</think>`) a forced call or a JSON answer may follow
+# up to this many spaces or newlines: chat templates and trained models write a blank line there
+# ("</think>\n\n<tool_call>", "</think>\n\n{"), and a grammar that refused it would push the model off what it
+# learned. Bounded, so it cannot stall in whitespace. (A regex, choice or grammar answer starts at the next token:
+# its text must match as it is.)
 LEAD_SPACE = 4
+LEAD_KINDS = frozenset({GuidedKind.TOOL_CALLS, GuidedKind.JSON_OBJECT, GuidedKind.JSON_SCHEMA})
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,8 @@ class GuidedSpec:
     """A constraint: `kind` and its `spec` text. `starts_after`: the constraint applies from the token after the
     one with which the completion's text first contains this marker, and the completion is free until then (a
     reasoning model's `</think>`: the answer is constrained, its reasoning is not, as vLLM does with a reasoning
-    parser); "" = from the first token. TOOL_CALLS behind a marker may start with up to `LEAD_SPACE` spaces or
-    newlines (`lead_space`). `parallel` (TOOL_CALLS only): one or more calls rather than exactly one;
+    parser); "" = from the first token. TOOL_CALLS and JSON behind a marker may start with up to `LEAD_SPACE`
+    spaces or newlines (`lead_space`). `parallel` (TOOL_CALLS only): one or more calls rather than exactly one;
     `tool_format` (TOOL_CALLS only): how the calls are written, one of `TOOL_FORMATS` (the model's own format, which
     the server's tool-call parser reads)."""
 
@@ -90,9 +93,9 @@ class GuidedSpec:
 
     @property
     def lead_space(self) -> int:
-        """How many spaces or newlines the constraint takes before its text: `LEAD_SPACE` for tool calls behind a
-        marker, else none."""
-        return LEAD_SPACE if self.kind is GuidedKind.TOOL_CALLS and self.starts_after else 0
+        """How many spaces or newlines the constraint takes before its text: `LEAD_SPACE` for tool calls and JSON
+        behind a marker (`LEAD_KINDS`), else none."""
+        return LEAD_SPACE if self.kind in LEAD_KINDS and self.starts_after else 0
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> GuidedSpec:
@@ -183,7 +186,7 @@ class GrammarCache:
         return self._hf_tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _compile(self, spec: GuidedSpec) -> Any:
-        if not spec.lead_space:  # the grammar is the same whatever starts it (tool calls behind one lead with space)
+        if not spec.lead_space:  # the grammar is the same whatever starts it (tool calls, JSON behind one: a lead)
             spec = replace(spec, starts_after="")
         with self._lock:
             compiled = self._compiled.get(spec)
@@ -230,7 +233,7 @@ class GrammarCache:
                              "tool_choice 'auto' and check the arguments yourself)")
         try:
             if spec.kind is GuidedKind.JSON_SCHEMA:
-                compiled = self._fallback.json_schema(json.loads(spec.spec))
+                compiled = self._fallback.json_schema(json.loads(spec.spec), spec.lead_space)
             elif spec.tool_format == "kimi":
                 compiled = self._fallback.kimi_section([_function(tool) for tool in json.loads(spec.spec)],
                                                        spec.parallel, spec.lead_space)
@@ -368,6 +371,14 @@ def _clean_message(error: Exception) -> str:
 
 
 def _grammar(xgr: Any, spec: GuidedSpec) -> Any:
+    """`spec`'s xgrammar grammar, after up to `spec.lead_space` spaces or newlines."""
+    grammar = _body(xgr, spec)
+    if not spec.lead_space:
+        return grammar
+    return xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= [ \\n]{{0,{spec.lead_space}}}"), grammar)
+
+
+def _body(xgr: Any, spec: GuidedSpec) -> Any:
     kind = spec.kind
     if kind is GuidedKind.JSON_OBJECT:
         return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False)
@@ -380,10 +391,7 @@ def _grammar(xgr: Any, spec: GuidedSpec) -> Any:
     if kind is GuidedKind.CHOICE:
         choices = json.loads(spec.spec)
         return xgr.Grammar.union(*(_literal(xgr, choice) for choice in choices))
-    calls = _tool_calls(xgr, spec)
-    if not spec.lead_space:
-        return calls
-    return xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= [ \\n]{{0,{spec.lead_space}}}"), calls)
+    return _tool_calls(xgr, spec)
 
 
 def _tool_calls(xgr: Any, spec: GuidedSpec) -> Any:

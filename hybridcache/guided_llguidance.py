@@ -223,12 +223,15 @@ class LLGuidanceCompiler:
         LLGuidanceMissing where llguidance does not import."""
         self._llg_tokenizer(_llguidance())
 
-    def json_schema(self, schema: dict[str, Any]) -> LLGuidanceGrammar:
-        """The grammar of `schema` (read as `strict` says); ValueError (llguidance's message) where llguidance
-        refuses it."""
+    def json_schema(self, schema: dict[str, Any], lead_space: int = 0) -> LLGuidanceGrammar:
+        """The grammar of `schema` (read as `strict` says), after up to `lead_space` spaces or newlines; ValueError
+        (llguidance's message) where llguidance refuses it."""
         _refuse_negative_only_multiples(schema)
         llg = _llguidance()
-        return self._compile(llg, llg.LLMatcher.grammar_from_json_schema(strict(schema), overrides=_JSON_OPTIONS))
+        if not lead_space:
+            return self._compile(llg, llg.LLMatcher.grammar_from_json_schema(strict(schema), overrides=_JSON_OPTIONS))
+        body = json.dumps({**strict(schema), "x-guidance": _JSON_OPTIONS})
+        return self._compile(llg, f"start: {_lead(lead_space)}answer\nanswer: %json {body}\n")
 
     def tool_calls(self, call_schemas: Sequence[dict[str, Any]], parallel: bool,
                    tool_format: str = "qwen", lead_space: int = 0) -> LLGuidanceGrammar:

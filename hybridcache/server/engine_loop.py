@@ -288,8 +288,13 @@ class EngineLoop:
                     self._abort_all(error)
                 else:
                     self._mark_started(step_start, outputs)
+                    # the state the step left, published before its outputs go out: a client holding its answer
+                    # reads gauges that count its end (vllm:kv_cache_usage_perc 0 once nothing runs)
+                    self._publish_state()
                     self._dispatch(outputs)
                     self._expire()
+                    self._log_stats()
+                    continue
             self._publish_state()
             self._log_stats()
 
@@ -440,8 +445,10 @@ class EngineLoop:
         if self._timeout_s is None:
             return
         due = time.perf_counter() - self._timeout_s
-        for request_id in [r for r, stream in self._streams.items() if stream.arrival < due]:
-            stream, _ = self._abort(request_id)
+        expired = [self._abort(r)[0] for r in [r for r, stream in self._streams.items() if stream.arrival < due]]
+        if expired:
+            self._publish_state()  # (before the handlers hear of it, as after a step)
+        for stream in expired:
             self._send(stream, RequestTimeout("the request did not finish within the server's request timeout "
                                               "(--request-timeout); it was aborted"))
 

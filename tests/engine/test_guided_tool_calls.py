@@ -9,7 +9,7 @@ import json
 import pytest
 
 from hybridcache import guided_kimi
-from hybridcache.guided import LEAD_SPACE, GrammarCache, GuidedSpec
+from hybridcache.guided import LEAD_SPACE, GrammarCache, GuidedKind, GuidedSpec
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.server.structured import tool_choice_spec
 from hybridcache.tokenizer import Tokenizer
@@ -265,3 +265,30 @@ def test_behind_the_reasoning_gate_the_call_may_follow_a_short_blank_run(cache_a
     assert not accepts(cache_and_tokenizer, gated, "plan\n</think>\n\n")  # (whitespace alone is not a call)
     assert accepts(cache_and_tokenizer, spec, call)
     assert not accepts(cache_and_tokenizer, spec, "\n" + call)
+
+
+JSON_ANSWERS = {  # (spec, an answer it takes): xgrammar's schema, the llguidance fallback's (multipleOf), any object
+    "xgrammar": (GuidedSpec.json_schema({"type": "object", "properties": {"city": {"type": "string"}},
+                                         "required": ["city"]}), '{"city": "Paris"}'),
+    "llguidance": (GuidedSpec.json_schema(STEP["function"]["parameters"]), '{"n": 10}'),
+    "json_object": (GuidedSpec(GuidedKind.JSON_OBJECT), '{"a": 1}'),
+}
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("answer", JSON_ANSWERS)
+def test_behind_the_reasoning_gate_a_json_answer_may_follow_a_short_blank_run(cache_and_tokenizer, answer):
+    """`response_format` JSON behind `</think>` may follow the blank line templates write there, up to `LEAD_SPACE`
+    spaces or newlines (JSON readers skip it); more, a tab or other text is refused; without the gate the JSON
+    starts at the first token, as before. A regex answer still starts at the next token: its text must match as
+    it is."""
+    spec, text = JSON_ANSWERS[answer]
+    gated = dataclasses.replace(spec, starts_after="</think>")
+    for lead in ("", "\n", "\n\n", " \n", " " * LEAD_SPACE):
+        assert accepts(cache_and_tokenizer, gated, "plan\n</think>" + lead + text), repr(lead)
+    for lead in ("\n" * (LEAD_SPACE + 1), "\t", "\nok\n"):
+        assert not accepts(cache_and_tokenizer, gated, "plan\n</think>" + lead + text), repr(lead)
+    assert accepts(cache_and_tokenizer, spec, text) and not accepts(cache_and_tokenizer, spec, "\n" + text)
+    regex = GuidedSpec(GuidedKind.REGEX, "[a-z]+", starts_after="</think>")
+    assert accepts(cache_and_tokenizer, regex, "plan\n</think>yes")
+    assert not accepts(cache_and_tokenizer, regex, "plan\n</think>\nyes")
