@@ -1,6 +1,7 @@
 """Kimi Linear's MLA attention on the GPU: the latent kernel (`attention/triton_latent.py`, what the engine runs
 since the latent cache) against the paged GQA kernels over the expanded keys and values it replaced
-(`attention/triton_paged.py`, 32 heads of 192, values padded), at Kimi-Linear-48B's widths, one layer, bf16.
+(`attention/triton_paged.py`, 32 heads of 192, values padded), at Kimi-Linear-48B's widths, one layer, bf16; and the
+latent kernel at other tiles (`SWEEP`).
 
     PYTHONUNBUFFERED=1 python benchmarks/latent_attention_bench.py [--out DIR]
 
@@ -30,6 +31,9 @@ DEV, BF16 = torch.device("cuda"), torch.bfloat16
 HEADS, RANK, SHARED, NOPE, VDIM, PAGE = 32, 512, 64, 128, 128, 16
 E = RANK + SHARED
 SCALE = (NOPE + SHARED) ** -0.5
+L = triton_latent.LatentConfig
+SWEEP = [L(32, 64, 64, 128, 4), L(32, 64, 64, 256, 8), L(32, 32, 64, 512, 8), L(32, 64, 32, 512, 8),
+         L(64, 64, 64, 128, 8), L(128, 64, 64, 128, 8), L(64, 32, 64, 256, 8), L(16, 64, 64, 128, 4)]
 # (name, query lengths, cached tokens before them)
 CASES = [
     ("decode 64 x 1,024", (1,) * 64, (1023,) * 64),
@@ -99,6 +103,19 @@ def time_latent(lengths, history, row: dict) -> None:
     timer = graph_ms if all(n == 1 for n in lengths) else median_ms
     row["latent_ms"] = timer(ours)
     row["latent_with_up_projections_ms"] = timer(ours_with_projections)
+    sweep = {}
+    for cfg in SWEEP:  # other tiles, the engine's default aside (each checked against the default's output)
+        def tiled(cfg=cfg):
+            return triton_latent.latent_attention(absorbed, pool, table, cu, ctx_dev, lengths, max_ctx, scale=SCALE,
+                                                  value_dim=RANK, config=cfg)
+        try:
+            if not torch.allclose(tiled().float(), ours().float(), rtol=2e-2, atol=2e-2):
+                sweep[str(cfg)] = "differs"
+                continue
+            sweep[str(cfg)] = timer(tiled)
+        except Exception as error:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
+            sweep[str(cfg)] = repr(error)[:120]
+    row["sweep_ms"] = sweep
     row["latent_kv_bytes"] = sum(ctx) * E * 2
     row["latent_read_tb_s"] = row["latent_kv_bytes"] / row["latent_ms"] / 1e9
 
@@ -156,6 +173,13 @@ def main() -> None:
               f"{r['expanded_ms']:.3f} | {r['latent_ms'] / r['expanded_ms']:.2f} | "
               f"{r['latent_kv_bytes'] / 1e6:.1f} MB / {r['expanded_kv_bytes'] / 1e6:.1f} MB | "
               f"{r.get('max_rel_err', float('nan')):.1e} |")
+    print("\nTiles (LatentConfig(block_m, block_n, block_e, block_v, num_warps)), ms:")
+    for r in rows:
+        if "sweep_ms" in r:
+            timed = {k: v for k, v in r["sweep_ms"].items() if isinstance(v, float)}
+            best = min(timed, key=timed.get) if timed else "none"
+            print(f"  {r['case']}: default {r['latent_ms']:.3f}, best {best} {timed.get(best, float('nan')):.3f};",
+                  {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r["sweep_ms"].items()})
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "latent_attention.json").write_text(json.dumps(rows, indent=1))
 

@@ -186,7 +186,7 @@ def test_latent_kernel_compiles_for_hopper(dtype: str, decode: bool) -> None:
     from tests.kernels.hopper import compile_for_hopper
 
     kernel = triton_latent._latent_kernel
-    cfg = triton_latent.latent_config(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    cfg = triton_latent.latent_config(torch.bfloat16 if dtype == "bf16" else torch.float32, 32 if decode else None)
     table = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
              "bt_ptr": "*i32", "cu_ptr": "*i32", "ctx_ptr": "*i32"}
     ints = [p.name for p in kernel.params if p.name.startswith("stride_") or p.name in ("num_splits", "num_seqs")]

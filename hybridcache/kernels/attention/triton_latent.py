@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -53,11 +53,17 @@ class LatentConfig:
     num_warps: int
 
 
-def latent_config(dtype: torch.dtype) -> LatentConfig:
-    """fp32 tiles are half as many values as bf16 ones (untuned: docs/bench.md has no figures for this kernel)."""
+def latent_config(dtype: torch.dtype, decode_heads: int | None = None) -> LatentConfig:
+    """fp32 tiles are half as many values as bf16 ones (untuned: docs/bench.md has no figures for this kernel). A
+    decode step (`decode_heads`: its head count) has H rows a sequence: a block of rows is H rounded up to a power
+    of two, at least 16 and at most the tile's (Kimi's 32 heads: 32, not 64 rows of which half would be empty)."""
     if dtype == torch.float32:
-        return LatentConfig(block_m=32, block_n=32, block_e=32, block_v=64, num_warps=4)
-    return LatentConfig(block_m=64, block_n=64, block_e=64, block_v=128, num_warps=8)
+        cfg = LatentConfig(block_m=32, block_n=32, block_e=32, block_v=64, num_warps=4)
+    else:
+        cfg = LatentConfig(block_m=64, block_n=64, block_e=64, block_v=128, num_warps=8)
+    if decode_heads is None:
+        return cfg
+    return replace(cfg, block_m=max(16, min(cfg.block_m, triton.next_power_of_2(decode_heads))))
 
 
 @triton.jit
@@ -200,8 +206,8 @@ def latent_attention(
     out = q.new_empty(num_tokens, num_heads, value_dim)
     if num_tokens == 0:
         return out
-    cfg = config or latent_config(q.dtype)
     decode = all(length == 1 for length in query_lens_cpu)
+    cfg = config or latent_config(q.dtype, num_heads if decode else None)
     if decode:
         num_blocks = len(query_lens_cpu) * triton.cdiv(num_heads, cfg.block_m)
     else:
