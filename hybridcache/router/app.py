@@ -374,7 +374,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
-        if _is_anthropic(_route_path(request)):  # as the replica answers on these routes
+        if is_anthropic(_route_path(request)):  # as the replica answers on these routes
             body = anthropic_error_body(error.status, error.message, error.param)
             return JSONResponse(body, status_code=error.status, headers=error.headers)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
@@ -484,7 +484,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                 # the replica's parser reads as false)
                 if upstream.status_code == 200 and _is_event_stream(upstream):
                     relayed = True
-                    return _RelayResponse(state, replica, upstream, predicted, learn, _is_anthropic(path))
+                    return _RelayResponse(state, replica, upstream, predicted, learn, is_anthropic(path))
                 try:
                     content = await upstream.aread()
                 except _ACCEPTED_TIMEOUTS as error:
@@ -655,7 +655,7 @@ def _invoked_path(body: Any) -> str:
                    "(with 'prompt')")
 
 
-def _is_anthropic(path: str) -> bool:
+def is_anthropic(path: str) -> bool:
     """Whether `path` is one of Anthropic's routes, whose errors are Anthropic's error objects."""
     return path in (MESSAGES_PATH, COUNT_TOKENS_PATH)
 

@@ -51,7 +51,16 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
 from hybridcache.router import ray_metrics
-from hybridcache.router.app import TOKENIZE_THREADS, EventRelay, has_key, record_usage, stream_usage
+from hybridcache.router.app import (
+    FORWARDED_HEADERS,
+    TOKENIZE_THREADS,
+    EventRelay,
+    has_key,
+    is_anthropic,
+    record_usage,
+    stream_error,
+    stream_usage,
+)
 from hybridcache.router.asgi_call import asgi_request
 from hybridcache.router.fleet_index import FleetIndex
 from hybridcache.router.policy import RoutingConfig
@@ -66,12 +75,12 @@ from hybridcache.router.responses import (
     routed_cache_salt,
     stores,
 )
+from hybridcache.server.anthropic_protocol import COUNT_TOKENS_PATH, MESSAGES_PATH, anthropic_error_body
 from hybridcache.server.errors import APIError, error_body
 from hybridcache.server.limits import max_token_bytes, read_body
 
 logger = logging.getLogger("hybridcache.router")
 ENGINE_DEPLOYMENT = "HybridcacheEngine"
-FORWARDED_HEADERS = ("authorization", "content-type")
 MAX_ATTEMPTS = 3  # replicas a request is sent to at most, when each fails before its first byte
 METRICS_TIMEOUT_S = 5.0  # how long /metrics waits for one replica's own metrics (and a stored-response lookup)
 PUBLISH_AFTER = ("/v1/completions", "/v1/chat/completions")
@@ -213,11 +222,12 @@ class CacheIndex:
 
 
 async def _relay(stream: Any, done: Callable[[bytes | None], None],
-                 head: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
+                 head: Callable[[bytes], None] | None = None, anthropic: bool = False) -> AsyncIterator[bytes]:
     """A replica's event stream passed through, whole events at a time (app.py's `EventRelay`); a cut ends it
-    with an error event and `[DONE]` after the last whole event (an incomplete one is dropped). `done(tail)` once,
-    however it ends: the last event that carries a usage object (b"" for none), None when the replica cut it, b""
-    when the client left. `head(piece)`: called with every piece before it is passed on."""
+    with an error event and `[DONE]` after the last whole event (an incomplete one is dropped; a Messages stream,
+    `anthropic`, ends with Anthropic's error event instead, app.py's `stream_error`). `done(tail)` once, however it
+    ends: the last event that carries a usage object (b"" for none), None when the replica cut it, b"" when the
+    client left. `head(piece)`: called with every piece before it is passed on."""
     tail: bytes | None = b""
     events = EventRelay()
     try:
@@ -232,7 +242,7 @@ async def _relay(stream: Any, done: Callable[[bytes | None], None],
     except (RayActorError, ActorUnavailableError) as error:
         tail = None
         message = f"the engine replica failed mid-stream: {type(error).__name__}: {error}"
-        yield f"data: {json.dumps(error_body(502, message))}\n\ndata: [DONE]\n\n".encode()
+        yield stream_error(error_body(502, message), 502, anthropic)
     except BaseException:  # the client went away (the generator closed, the task cancelled)
         tail = b""
         raise
@@ -253,13 +263,17 @@ ingress_app = FastAPI(title="hybridcache (Ray Serve)", docs_url=None, redoc_url=
 
 @ingress_app.exception_handler(APIError)
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
+    if is_anthropic(request.url.path):  # as the replica answers on these routes
+        body = anthropic_error_body(error.status, error.message, error.param)
+        return JSONResponse(body, status_code=error.status, headers=error.headers)
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 @serve.ingress(ingress_app)
 class OpenAIIngress:
-    """The OpenAI routes: completions and chat sent to an engine replica by the checkpoint router (the replica
-    checks the API key, forwarded as sent); /v1/models, /tokenize, /detokenize and /version from any replica;
+    """The OpenAI routes: completions, chat, Responses and Anthropic's Messages sent to an engine replica by the
+    checkpoint router (the replica checks the API key, forwarded as sent: a bearer token or `x-api-key`; errors on
+    the Messages routes, the ingress's own included, in Anthropic's shape); /v1/messages/count_tokens, /v1/models, /tokenize, /detokenize and /version from any replica;
     /health, with the index's view of every replica for holders of the API key (when one is set); /metrics,
     open as the standalone router's is: the router's counters and every replica's engine metrics
     (ray_metrics.py)."""
@@ -298,6 +312,14 @@ class OpenAIIngress:
     @ingress_app.post("/v1/responses")
     async def responses(self, request: Request) -> Response:
         return await self._forward(request)
+
+    @ingress_app.post(MESSAGES_PATH)
+    async def messages(self, request: Request) -> Response:
+        return await self._forward(request)
+
+    @ingress_app.post(COUNT_TOKENS_PATH)
+    async def count_tokens(self, request: Request) -> Response:
+        return await self._pass_through(request)
 
     @ingress_app.get("/v1/responses/{stored_id}")
     async def stored_response(self, request: Request, stored_id: str) -> Response:
@@ -451,7 +473,8 @@ class OpenAIIngress:
             learn = learn and head["status"] == 200
             if headers.get("content-type", "").startswith("text/event-stream"):
                 done = functools.partial(self._ended, replica, predicted, stream=True)
-                return StreamingResponse(_relay(stream, done, self._reader(head["replica"]) if learn else None),
+                return StreamingResponse(_relay(stream, done, self._reader(head["replica"]) if learn else None,
+                                                is_anthropic(request.path)),
                                          status_code=head["status"], headers=headers)
             try:
                 content = b"".join([piece async for piece in stream])

@@ -114,3 +114,28 @@ def test_ray_serve_hits_as_the_standalone_router_and_survives_a_killed_replica(t
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_ray_serve_routes_anthropic_messages():
+    """Anthropic's /v1/messages through the Ray Serve ingress as through the standalone router
+    (tests/router/test_messages_through_router.py's `check_messages_turns`): each turn's hit as predicted, streamed or
+    not, `x-api-key` forwarded to the replica, count_tokens passed through, the ingress's own errors and the
+    replica's in Anthropic's shape."""
+    from hybridcache.router.ray_serve import build_app
+    from tests.router.test_messages_through_router import KEY, check_messages_turns
+
+    ensure_builtin_model()
+    env = {k: os.environ[k] for k in ("HYBRIDCACHE_HOME", "HYBRIDCACHE_DEBUG") if k in os.environ}
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20, log_to_driver=False,
+             runtime_env={"env_vars": {**env, "PYTHONPATH": os.pathsep.join(
+                 filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}})
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app((*ENGINE, "--api-key", KEY), num_replicas=2, num_cpus=1, poll_interval_s=0.2),
+                  name=APP, route_prefix="/")
+        check_messages_turns(f"http://127.0.0.1:{port}", model=BUILTIN_NAME)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
