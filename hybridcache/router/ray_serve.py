@@ -273,10 +273,10 @@ async def _api_error(request: Request, error: APIError) -> JSONResponse:
 class OpenAIIngress:
     """The OpenAI routes: completions, chat, Responses and Anthropic's Messages sent to an engine replica by the
     checkpoint router (the replica checks the API key, forwarded as sent: a bearer token or `x-api-key`; errors on
-    the Messages routes, the ingress's own included, in Anthropic's shape); /v1/messages/count_tokens, /v1/models, /tokenize, /detokenize and /version from any replica;
-    /health, with the index's view of every replica for holders of the API key (when one is set); /metrics,
-    open as the standalone router's is: the router's counters and every replica's engine metrics
-    (ray_metrics.py)."""
+    the Messages routes, the ingress's own included, in Anthropic's shape); /v1/messages/count_tokens, /v1/models,
+    /tokenize, /detokenize and /version from any replica; /health, with the index's view of every replica for
+    holders of the API key (when one is set); /metrics, open as the standalone router's is: the router's counters
+    and every replica's engine metrics (ray_metrics.py)."""
 
     def __init__(self, engine: Any, index: Any, serve_args: Sequence[str]) -> None:
         from hybridcache.engine_args import model_argument
