@@ -32,6 +32,18 @@ ENGINE = (*SMALL_ENGINE, "--max-model-len", "1024", "--disable-log-stats")
 APP = "hybridcache"
 
 
+def _start_ray(num_cpus: int) -> int:
+    """A local Ray cluster of `num_cpus` whose workers import this checkout, and Serve's HTTP proxy on a free port
+    (returned); the caller shuts both down."""
+    env = {k: os.environ[k] for k in ("HYBRIDCACHE_HOME", "HYBRIDCACHE_DEBUG") if k in os.environ}
+    ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=100 << 20, log_to_driver=False,
+             runtime_env={"env_vars": {**env, "PYTHONPATH": os.pathsep.join(
+                 filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
 def _engine_replicas(url: str) -> dict[str, dict]:
     return httpx.get(f"{url}/health", timeout=30).json()["replicas"]
 
@@ -46,13 +58,8 @@ def test_ray_serve_hits_as_the_standalone_router_and_survives_a_killed_replica(t
                          tmp_dir=tmp_path, startup_timeout_s=300) as (dp,):
         standalone = run_server_bench(dp.base_url, workload, BENCH, concurrency=1).modes["server"]
 
-    env = {k: os.environ[k] for k in ("HYBRIDCACHE_HOME", "HYBRIDCACHE_DEBUG") if k in os.environ}
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 << 20, log_to_driver=False,
-             runtime_env={"env_vars": {**env, "PYTHONPATH": os.pathsep.join(
-                 filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}})
+    port = _start_ray(num_cpus=4)
     try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(ENGINE, num_replicas=2, num_cpus=1, poll_interval_s=0.2), name=APP, route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         through_ray = run_server_bench(url, workload, BENCH, concurrency=1).modes["server"]
@@ -126,13 +133,8 @@ def test_ray_serve_routes_anthropic_messages():
     from tests.router.test_messages_through_router import KEY, check_messages_turns
 
     ensure_builtin_model()
-    env = {k: os.environ[k] for k in ("HYBRIDCACHE_HOME", "HYBRIDCACHE_DEBUG") if k in os.environ}
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20, log_to_driver=False,
-             runtime_env={"env_vars": {**env, "PYTHONPATH": os.pathsep.join(
-                 filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}})
+    port = _start_ray(num_cpus=2)
     try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app((*ENGINE, "--api-key", KEY), num_replicas=2, num_cpus=1, poll_interval_s=0.2),
                   name=APP, route_prefix="/")
         check_messages_turns(f"http://127.0.0.1:{port}", model=BUILTIN_NAME)
