@@ -40,7 +40,11 @@ def _start_ray(num_cpus: int) -> int:
              runtime_env={"env_vars": {**env, "PYTHONPATH": os.pathsep.join(
                  filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}})
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    except BaseException:
+        ray.shutdown()
+        raise
     return port
 
 
