@@ -159,6 +159,17 @@ def test_config_reads_the_released_layout():
     assert (c.gated_delta.num_v_heads, c.gated_delta.k_head_dim, c.gated_delta.conv_kernel_size) == (32, 128, 4)
 
 
+def test_the_released_models_kv_is_the_latent():
+    """A token's KV over the 7 MLA layers of Kimi-Linear-48B in bf16: the latent row, 7 x 576 x 2 B = 7.9 KiB (the
+    heads' expanded keys and values, padded to 192, were 7 x 2 x 32 x 192 x 2 B = 168 KiB); the attention's FLOPs
+    per (query, key) pair at the absorbed widths, 2 x 7 x 32 x (576 + 512)."""
+    from hybridcache.engine.cost_model import ModelCost
+
+    cost = ModelCost.from_config(released_kimi_config())
+    assert cost.kv_bytes_per_token == 7 * 576 * 2
+    assert cost.attn_flops_per_token_pair == 2 * 7 * 32 * (576 + 512)
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"mla_use_nope": False}, "mla_use_nope false"),
     ({"num_nextn_predict_layers": 1}, "MTP"),
