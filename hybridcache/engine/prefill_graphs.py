@@ -400,7 +400,7 @@ class SequenceGraphs:
         metadata = prepared.metadata
         if not hasattr(metadata, "cu_seqlens") or not hasattr(metadata, "fresh"):
             raise RuntimeError(f"whole-step graphs need the CUDA backend's metadata, got {type(metadata).__name__}")
-        metadata = dataclasses.replace(metadata, cu_seqlens=cu_seqlens64, fresh=self.fresh)
+        metadata = dataclasses.replace(metadata, cu_seqlens=cu_seqlens64, fresh=self.fresh, host_lengths=False)
         return dataclasses.replace(prepared, context_lens_cpu=(size,), metadata=metadata)
 
     def _forward(self, prepared: ForwardBatch, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:

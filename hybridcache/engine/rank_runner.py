@@ -90,7 +90,7 @@ def device_free_bytes(device: torch.device) -> int:
 
 def model_shapes(config: ModelConfig) -> ModelShapes:
     """The dims of `config` that kernel backends specialise on (what `KernelBackend.check_model` judges). MLA layers
-    (Kimi Linear) run `latent_attention`, whose kernel takes latent rows of any width, not the paged GQA kernels:
+    (Kimi Linear) run `mla_attention`, whose latent kernel takes rows of any width (its expanded prefill: 192):
     no attention head dim is judged for them."""
     attention = bool(config.attention_layer_ids) and config.mla is None
     delta = bool(config.linear_layer_ids)

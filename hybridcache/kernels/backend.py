@@ -93,18 +93,20 @@ class KernelBackend(Protocol):
         """
         ...
 
-    def latent_attention(
-        self, query: torch.Tensor, rows: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
-        value_dim: int,
+    def mla_attention(
+        self, q_nope: torch.Tensor, q_shared: torch.Tensor, rows: torch.Tensor, w_uk: torch.Tensor,
+        w_uv: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
     ) -> torch.Tensor:
-        """Write the step's latent rows into one layer's pool, then causal attention of the absorbed queries over
-        its rows (Kimi Linear's MLA; the rows' layout and the maths: `kernels/attention/latent.py`).
+        """Kimi Linear's multi-head latent attention over one layer's pool of latent rows (the layout and the
+        maths: `kernels/attention/latent.py`): write the step's rows, then causal attention of every head.
 
-        query    [T, H, E]; rows [T, E]: token t's row goes to flat row batch.kv_rows[t], its first ceil(E / 2)
-                 lanes into the keys half, the rest into the values half (`latent.split_rows`)
-        kv_layer [2, num_pages, kernel_block_size, 1, ceil(E / 2)]
-        returns  [T, H, value_dim] in query's dtype: per head, the softmax-weighted sum of the first value_dim
-                 lanes of the rows at positions 0..p (softmax in fp32)
+        q_nope [T, H, Dn], q_shared [T, H, Dr]; rows [T, E = R + Dr]: token t's row goes to flat row
+        batch.kv_rows[t], its first ceil(E / 2) lanes into the keys half, the rest into the values half
+        (`latent.split_rows`); w_uk [H, Dn, R], w_uv [H, Dv, R]: kv_b_proj's halves; kv_layer [2, num_pages,
+        kernel_block_size, 1, ceil(E / 2)]
+        returns  [T, H, Dv]: head h's softmax over its keys [W_UK_h c_j | k_shared_j] (scale), times its values
+                 W_UV_h c_j; computed absorbed (`latent.absorbed_attention`) or, for a prefill step on CUDA,
+                 expanded (`mla_prefill.py`)
         """
         ...
 
@@ -447,13 +449,18 @@ class ReferenceBackend(SharedOps):
         )
         return dataclasses.replace(batch, metadata=metadata)
 
-    def latent_attention(
-        self, query: torch.Tensor, rows: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
-        value_dim: int,
+    def mla_attention(
+        self, q_nope: torch.Tensor, q_shared: torch.Tensor, rows: torch.Tensor, w_uk: torch.Tensor,
+        w_uv: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
     ) -> torch.Tensor:
         self.write_kv(kv_layer, *latent.split_rows(rows), batch)
-        return latent.latent_attention(query, kv_layer, batch.block_tables, batch.cu_seqlens, batch.query_lens_cpu,
-                                       batch.context_lens_cpu, scale=scale, value_dim=value_dim)
+
+        def attend(absorbed: torch.Tensor) -> torch.Tensor:
+            return latent.latent_attention(absorbed, kv_layer, batch.block_tables, batch.cu_seqlens,
+                                           batch.query_lens_cpu, batch.context_lens_cpu, scale=scale,
+                                           value_dim=w_uk.shape[-1])
+
+        return latent.absorbed_attention(q_nope, q_shared, w_uk, w_uv, attend)
 
     def causal_conv1d(
         self,

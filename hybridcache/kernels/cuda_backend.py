@@ -4,7 +4,8 @@
 | ---------------- | ------------------------------------------- | ----------------------------------------------- |
 | write_kv, attention | its attention backend (default "triton", `attention/triton_backend.py`: split-KV decode   |
 |                  | kernel for an all-decode step, the paged flash-attention prefill kernel otherwise)            |
-| latent_attention | one Triton launch (`attention/triton_latent.py`): rows of (token, head), Kimi Linear's MLA |
+| mla_attention    | Kimi Linear's MLA: decode absorbed, one Triton launch over rows of (token, head)         |
+|                  | (`attention/triton_latent.py`); prefill expanded into the paged prefill kernel (`mla_prefill`) |
 | causal_conv1d    | in-place step kernel                        | varlen kernel + state write                     |
 | gated_delta_rule | in-place Triton step kernel                 | our l2norm of q / k, then fla's chunked kernel  |
 |   per-channel g (Kimi Delta Attention) | the same step kernel, g a column | fla's chunked KDA kernels, leading |
@@ -57,7 +58,7 @@ from torch import nn
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels import streams
 from hybridcache.kernels.activation import triton as triton_activation
-from hybridcache.kernels.attention import latent, triton_latent
+from hybridcache.kernels.attention import latent, mla_prefill, triton_latent, triton_paged
 from hybridcache.kernels.attention.base import AttentionBackend
 from hybridcache.kernels.backend import SharedOps, mamba1_scan, mamba2_scan, per_channel_delta_scan
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
@@ -141,6 +142,9 @@ class CudaMetadata:
                      (`varlen.any_fresh`: the layers then need no mask)
     lead             a mixed step's leading decode rows, which the DeltaNet layers run in the step kernel
                      (`fla.LeadingDecodes`), or None (no such run, or a verify step)
+    host_lengths     whether the batch's host lengths are the step's own (False: a whole-step graph's static batch,
+                     `prefill_graphs.SequenceGraphs`, whose device lengths alone are the step's, replayed or run
+                     eagerly); ops that read host lengths (MLA's expanded prefill) run otherwise there
     """
 
     all_decode: bool
@@ -151,6 +155,7 @@ class CudaMetadata:
     verify: VerifyRows | None = None
     fresh: torch.Tensor | None = None
     lead: LeadingDecodes | None = None
+    host_lengths: bool = True
 
 
 def _metadata(batch: ForwardBatch) -> CudaMetadata:
@@ -221,15 +226,35 @@ class CudaBackend(SharedOps):
         )
         return dataclasses.replace(batch, metadata=metadata)
 
-    def latent_attention(
-        self, query: torch.Tensor, rows: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
-        value_dim: int,
+    def mla_attention(
+        self, q_nope: torch.Tensor, q_shared: torch.Tensor, rows: torch.Tensor, w_uk: torch.Tensor,
+        w_uv: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
     ) -> torch.Tensor:
+        """A prefill step whose contexts fit `mla_prefill.EXPAND_MAX_TOKENS` runs expanded (the paged prefill
+        kernel over a scratch pool of the contexts' keys and values, sized from the host lengths); decode steps,
+        captured graphs, a whole-step graph's static batch (`CudaMetadata.host_lengths`) and longer contexts
+        absorbed (`triton_latent.py`, which reads the device lengths)."""
         self.write_kv(kv_layer, *latent.split_rows(rows), batch)
-        return triton_latent.latent_attention(query, kv_layer, batch.block_tables, batch.cu_seqlens,
-                                              batch.context_lens, batch.query_lens_cpu,
-                                              self.step_metadata(batch).max_context_len, scale=scale,
-                                              value_dim=value_dim)
+        lens, contexts = batch.query_lens_cpu, batch.context_lens_cpu
+        if self.step_metadata(batch).host_lengths and mla_prefill.expands(lens, contexts):
+            pool, table = mla_prefill.expand_context(kv_layer, w_uk, w_uv, batch.block_tables, contexts,
+                                                     q_shared.shape[-1])
+            query = mla_prefill.padded_query(q_nope, q_shared, pool.shape[-1])
+            config = triton_paged.default_prefill_config(query.shape[-1], query.dtype)
+            blocks = sum(-(-n // config.block_m) for n in lens)
+            splits = triton_paged.prefill_splits(blocks * query.shape[1], max(contexts),
+                                                 triton_latent.num_sms(query.device))
+            out = triton_paged.paged_prefill_attention(query, pool, table, batch.cu_seqlens, batch.context_lens,
+                                                       lens, scale=scale, config=config, num_splits=splits)
+            return out[..., : w_uv.shape[1]]
+        max_context = self.step_metadata(batch).max_context_len
+
+        def attend(absorbed: torch.Tensor) -> torch.Tensor:
+            return triton_latent.latent_attention(absorbed, kv_layer, batch.block_tables, batch.cu_seqlens,
+                                                  batch.context_lens, lens, max_context, scale=scale,
+                                                  value_dim=w_uk.shape[-1])
+
+        return latent.absorbed_attention(q_nope, q_shared, w_uk, w_uv, attend)
 
     def causal_conv1d(
         self,

@@ -37,16 +37,19 @@ The rule is the backend's `gated_delta_rule` with g [T, H, K] (the DeltaNet op's
 MLA without rotary embedding (`mla_use_nope`; transformers' Kimi Linear applies none): a head's query [Dqk],
 key [k_nope_h | k_shared] (Dqk = Dn + Dr; k_shared, Dr wide, is the same for every head), value [Dv]; softmax
 scale Dqk^-1/2. The paged KV holds each token's latent row [c | k_shared] (E = R + Dr: c = kv_a_layernorm of the
-latent, R = kv_lora_rank), not the heads' expanded keys and values, and the attention runs with `kv_b_proj`'s two
-halves absorbed (DeepSeek-V2's MLA inference form; `kernels/attention/latent.py` has the layout and the maths):
+latent, R = kv_lora_rank), not the heads' expanded keys and values. The backend's `mla_attention` attends with
+`kv_b_proj`'s two halves absorbed (DeepSeek-V2's MLA inference form; `kernels/attention/latent.py` has the layout
+and the maths):
 
     W_UK, W_UV = kv_b_proj.weight viewed [H, Dn + Dv, R], split [H, Dn, R], [H, Dv, R]
     qa_h   = [W_UK_h^T q_nope_h | q_shared_h]                       [T, H, E]   (the absorbed query)
-    lat_h  = sum_j softmax_j(scale * qa_h . row_j) c_j              [T, H, R]   (backend.latent_attention)
+    lat_h  = sum_j softmax_j(scale * qa_h . row_j) c_j              [T, H, R]
     out_h  = W_UV_h lat_h                                           [T, H, Dv]  -> o_proj
 
 qa_h . row_j = q_nope_h . (W_UK_h c_j) + q_shared_h . k_shared_j is the expanded key's score, and W_UV_h lat_h the
-weighted sum of the expanded values, so the results are the expanded attention's up to rounding. A token and layer
+weighted sum of the expanded values, so the results are the expanded attention's up to rounding; on CUDA a prefill
+step instead up-projects its contexts and runs the expanded attention (`kernels/attention/mla_prefill.py`), a
+third of the arithmetic. A token and layer
 take E values (1,152 B in bf16 for the released models, R = 512, Dr = 64) against the expanded 2 x H x 192
 (24 KiB).
 
@@ -197,16 +200,13 @@ class KimiMLA(nn.Module):
         latent, k_shared = module_linear(self.kv_a_proj_with_mqa, hidden).split([m.kv_lora_rank, m.qk_rope_head_dim],
                                                                                 dim=-1)
         rows = torch.cat([self.kv_a_layernorm(latent), k_shared], dim=-1)  # [T, E]
-        w_uk, w_uv = self._up_projections()
-        absorbed = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_shared], dim=-1)  # [T, H, E]
-        attn = step.core(functools.partial(self._attend, kv_layer), absorbed, rows)  # [T, H, R]
-        out = torch.einsum("thr,hvr->thv", attn, w_uv)
-        return module_linear(self.o_proj, out.reshape(n, -1))
+        attn = step.core(functools.partial(self._attend, kv_layer), q_nope, q_shared, rows)  # [T, H, Dv]
+        return module_linear(self.o_proj, attn.reshape(n, -1))
 
-    def _attend(self, kv_layer: torch.Tensor, step: StepContext, absorbed: torch.Tensor,
+    def _attend(self, kv_layer: torch.Tensor, step: StepContext, q_nope: torch.Tensor, q_shared: torch.Tensor,
                 rows: torch.Tensor) -> torch.Tensor:
-        return step.backend.latent_attention(absorbed, rows, kv_layer, step.batch, scale=self.mla.qk_head_dim**-0.5,
-                                             value_dim=self.mla.kv_lora_rank)
+        return step.backend.mla_attention(q_nope, q_shared, rows, *self._up_projections(), kv_layer, step.batch,
+                                          scale=self.mla.qk_head_dim**-0.5)
 
 
 class KimiExpert(nn.Module):

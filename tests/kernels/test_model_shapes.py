@@ -91,7 +91,7 @@ def test_olmo_hybrid_7b_passes_the_cuda_checks():
 
 def test_kimi_linear_48b_passes_the_cuda_checks():
     """Kimi-Linear-48B's MLA layers cache latent rows of 512 + 64 lanes (a kv head of 288, over the GQA kernels'
-    256): they run `latent_attention`, so no attention head dim is judged; its KDA head dim 128 is."""
+    256): they run `mla_attention`, so no attention head dim is judged; its KDA head dim 128 is."""
     from tests.models.kimi_helpers import released_kimi_config
 
     shapes = rank_runner.model_shapes(released_kimi_config())

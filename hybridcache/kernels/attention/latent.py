@@ -24,7 +24,7 @@ sum of the rows' latents c, R wide, which `KimiMLA` maps up by W_UV_h:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -101,3 +101,11 @@ def latent_attention(
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[starts[i]: starts[i] + query_len] = (probs @ rows[:, :value_dim]).transpose(0, 1)
     return out
+
+
+def absorbed_attention(q_nope: torch.Tensor, q_shared: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                       attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """MLA with kv_b_proj absorbed (module docstring): the absorbed query [W_UK_h^T q_nope_h | q_shared_h] [T, H, E]
+    -> `attend` (a latent attention: [T, H, R]) -> mapped up per head by W_UV_h: [T, H, Dv]."""
+    absorbed = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_shared], dim=-1)
+    return torch.einsum("thr,hvr->thv", attend(absorbed), w_uv)

@@ -216,7 +216,7 @@ def latent_attention(
         num_blocks = sum(triton.cdiv(length * num_heads, cfg.block_m) for length in query_lens_cpu)
     v_blocks = triton.cdiv(value_dim, cfg.block_v)
     if num_splits is None:
-        num_splits = latent_splits(v_blocks * num_blocks, max_context_len, _num_sms(q.device))
+        num_splits = latent_splits(v_blocks * num_blocks, max_context_len, num_sms(q.device))
     partial = decode or num_splits > 1
     acc = ml = out  # (unread unless partial)
     if partial:
@@ -239,6 +239,6 @@ def latent_attention(
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     """The device's multiprocessors (64 off CUDA: the interpreter's runs)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 64
