@@ -6,8 +6,9 @@ expanded 192 and 128: 3.4x the arithmetic, which a prefill, unlike a decode step
 session 66: a 2,048-token chunk over 30,000 cached tokens, one layer of Kimi-Linear-48B on an H100, 48.5 ms absorbed
 against 4.5 ms expanded). Up-projecting the context costs one GEMM of its rows (C x R x H x (Dn + Dv)) and a
 scratch pool of 2 x H x max(Dn + Dr, Dv) values a context token (24 KiB in bf16 at Kimi's widths), so a step expands
-only while its contexts total at most `EXPAND_MAX_TOKENS` (768 MiB of scratch); past that, and in a captured CUDA
-graph (whose host lengths are not the replay's), the step runs absorbed.
+only while its contexts total at most `EXPAND_MAX_TOKENS` (768 MiB of scratch at Kimi's widths in bf16, and one
+up-projection's output, 256 MiB, while it is filled); past that, and in a captured CUDA graph (whose host lengths
+are not the replay's), the step runs absorbed.
 
 Worked example, two sequences with contexts 5 and 17 (pages of 16): the scratch pool has ceil(5/16) + ceil(17/16)
 = 3 pages; sequence 0's keys fill page 0 (rows 5-15 unused), sequence 1's pages 1 and 2; the block table is
@@ -51,11 +52,11 @@ def expand_context(
     rows = torch.cat([F.pad(gather_rows(kv_pool, block_tables[i], length, rank + shared_width),
                             (0, 0, 0, count * page - length))
                       for i, (length, count) in enumerate(zip(context_lens_cpu, pages, strict=True))])
-    latent, shared = rows[:, :rank], rows[:, rank:]
-    keys = torch.cat([torch.einsum("nr,hdr->nhd", latent, w_uk),
-                      shared[:, None].expand(rows.shape[0], heads, shared_width)], dim=-1)
-    values = torch.einsum("nr,hvr->nhv", latent, w_uv)
-    pool = torch.stack([F.pad(keys, (0, width - keys.shape[-1])), F.pad(values, (0, width - value_dim))])
+    latent, num_rows = rows[:, :rank], rows.shape[0]
+    pool = rows.new_zeros(2, num_rows, heads, width)  # filled in place: the scratch and one GEMM's output at a time
+    pool[0, :, :, :nope] = (latent @ w_uk.reshape(heads * nope, rank).T).view(num_rows, heads, nope)
+    pool[0, :, :, nope: nope + shared_width] = rows[:, None, rank:]
+    pool[1, :, :, :value_dim] = (latent @ w_uv.reshape(heads * value_dim, rank).T).view(num_rows, heads, value_dim)
     table = torch.zeros(len(pages), max(pages, default=1), dtype=torch.int32)
     start = 0
     for i, count in enumerate(pages):
