@@ -3,12 +3,11 @@ scratch pool of every head's keys and values, so that the paged GQA prefill kern
 
 Absorbed attention (`latent.py`) scores E = 576 lanes and sums R = 512 a (query, key) pair and head, against the
 expanded 192 and 128: 3.4x the arithmetic, which a prefill, unlike a decode step, is bound by (docs/bench.md,
-session 66: a 2,048-token chunk over 30,000 cached tokens, one layer of Kimi-Linear-48B on an H100, 48.5 ms absorbed
-against 4.5 ms expanded). Up-projecting the context costs one GEMM of its rows (C x R x H x (Dn + Dv)) and a
-scratch pool of 2 x H x max(Dn + Dr, Dv) values a context token (24 KiB in bf16 at Kimi's widths), so a step expands
-only while its contexts total at most `EXPAND_MAX_TOKENS` (768 MiB of scratch at Kimi's widths in bf16, and one
-up-projection's output, 256 MiB, while it is filled); past that, and in a captured CUDA graph (whose host lengths
-are not the replay's), the step runs absorbed.
+"Kimi's MLA over latent rows, absorbed against expanded", has the figures). Up-projecting the context costs one
+GEMM of its rows (C x R x H x (Dn + Dv)) and a scratch pool of 2 x H x max(Dn + Dr, Dv) values a context token
+(24 KiB in bf16 at Kimi's widths), so a step expands only while its contexts total at most `EXPAND_MAX_TOKENS`
+(768 MiB of scratch at Kimi's widths in bf16, and one up-projection's output, 256 MiB, while it is filled); past
+that, and in a captured CUDA graph (whose host lengths are not the replay's), the step runs absorbed.
 
 Worked example, two sequences with contexts 5 and 17 (pages of 16): the scratch pool has ceil(5/16) + ceil(17/16)
 = 3 pages; sequence 0's keys fill page 0 (rows 5-15 unused), sequence 1's pages 1 and 2; the block table is

@@ -54,14 +54,14 @@ class LatentConfig:
 
 
 def latent_config(dtype: torch.dtype, decode_heads: int | None = None) -> LatentConfig:
-    """fp32 tiles are half as many values as bf16 ones (untuned: docs/bench.md has no figures for this kernel). A
-    decode step (`decode_heads`: its head count) has H rows a sequence: a block of rows is H rounded up to a power
-    of two, at least 16 and at most the tile's (Kimi's 32 heads: 32, not 64 rows of which half would be empty)."""
+    """The tiles for `dtype` (fp32 ones hold half as many values as bf16 ones), of a decode step when
+    `decode_heads` (its head count) is given: H rows a sequence, so a block of rows is H rounded up to a power of
+    two, at least 16 and at most the tile's (Kimi's 32 heads: 32 rows)."""
     if dtype == torch.float32:
         cfg = LatentConfig(block_m=32, block_n=32, block_e=32, block_v=64, num_warps=4)
-    elif decode_heads is None:  # (64 x 64 keys x 128 lanes needed 254 KiB of shared memory on an H100: refused)
+    elif decode_heads is None:  # (64 rows x 64 keys x 128 lanes is over a Hopper program's shared memory)
         return LatentConfig(block_m=64, block_n=32, block_e=64, block_v=256, num_warps=8)
-    else:  # every output lane in one program: the scores once per row block (H100: 0.086 ms for 64 x 1,024)
+    else:  # every output lane in one program: the scores once per row block (docs/bench.md, session 66's sweep)
         cfg = LatentConfig(block_m=32, block_n=32, block_e=64, block_v=512, num_warps=8)
     if decode_heads is None:
         return cfg
