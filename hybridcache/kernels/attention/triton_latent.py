@@ -1,12 +1,14 @@
 """Latent attention on CUDA (Triton) over a pool of latent rows; same contract as `latent.latent_attention`, whose
 docstring draws the rows' layout (a row's lanes [0, W) in the pool's keys half, [W, E) in its values half).
 
-One kernel for prefill and decode. The queries are flattened to rows of (token, head), [T * H, E], so the H heads
-of a token, which all read the same latent rows, share every key tile (the heads are the tensor cores' M side, as
-the query heads of a kv head are in the GQA decode kernel). A program takes BLOCK_M such rows of one sequence and
-BLOCK_V of the R output lanes (program axis 0, so the programs of a block's output lanes run side by side and read
-its key tiles from L2), walks the sequence's keys in blocks of BLOCK_N through the block table with an online softmax
-in fp32 (exp2), scores over the E lanes BLOCK_E at a time, and sums its BLOCK_V lanes of the rows' latents.
+One kernel for prefill and decode (a CUDA prefill step runs expanded instead, `mla_prefill.py`, up to its cap:
+this kernel's prefill serves longer contexts and captured graphs). The queries are flattened to rows of (token,
+head), [T * H, E], so the H heads of a token, which all read the same latent rows, share every key tile (the heads
+are the tensor cores' M side, as the query heads of a kv head are in the GQA decode kernel). A program takes BLOCK_M
+such rows of one sequence and BLOCK_V of the R output lanes (program axis 0, so the programs of a block's output
+lanes run side by side and read its key tiles from L2), walks the sequence's keys in blocks of BLOCK_N through the
+block table with an online softmax in fp32 (exp2), scores over the E lanes BLOCK_E at a time, and sums its BLOCK_V
+lanes of the rows' latents.
 
 Worked example, H = 4, a sequence of 3 new tokens after 5 cached ones, BLOCK_M = 8: its 12 rows make two blocks;
 block 0 holds rows 0-7 (tokens 0 and 1, positions 5 and 6, every head) and reads keys [0, 7); block 1 holds rows
@@ -18,9 +20,9 @@ it from cu_seqlens (`_find_block`, a loop over the sequences). The host lengths 
 captured for more rows than a step has (`prefill_graphs.SequenceGraphs`: one sequence in a bucket of B rows) runs
 its spare programs as empty ones.
 
-Few programs over a long context (a decode row at a small batch: 4 programs for Kimi's 512 output lanes) would
+Few programs over a long context (a decode step at a small batch: one program a sequence for Kimi's heads) would
 leave most multiprocessors idle: their keys are cut into splits (`latent_splits`), one program each, whose partial
-softmax sums the paged decode's merge kernel combines. Not done: tuned tiles.
+softmax sums the paged decode's merge kernel combines. The tiles come from one sweep (docs/bench.md, session 66).
 fp32 inputs use IEEE fp32 dot products (not tf32), so fp32 runs match the reference to fp32 rounding.
 """
 
@@ -182,8 +184,9 @@ MAX_SPLITS = 128
 def latent_splits(num_programs: int, max_context_len: int, num_sms: int) -> int:
     """Key splits per program: 1 when the (lanes, rows) programs already fill the multiprocessors, else as many as
     cover them about twice, each at least MIN_SPLIT_KEYS keys of the longest context, at most MAX_SPLITS. Host
-    arithmetic only. Example: one Kimi decode row over 100,000 keys, 4 programs (512 lanes / 128) on 132 SMs:
-    min(66, 390, 128) = 66 splits of ~1,500 keys; 64 decode rows: 256 programs, 1."""
+    arithmetic only. Example: Kimi's decode (one program a sequence: 32 rows, all 512 lanes) on 132 SMs over
+    100,000 keys: 1 sequence min(264, 390, 128) = 128 splits of ~780 keys; 64 sequences min(5, 390, 128) = 5; 132
+    sequences or more, 1."""
     if num_programs >= num_sms:
         return 1
     wanted = -(-2 * num_sms // max(1, num_programs))
