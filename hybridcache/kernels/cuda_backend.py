@@ -235,23 +235,22 @@ class CudaBackend(SharedOps):
         captured graphs, a whole-step graph's static batch (`CudaMetadata.host_lengths`) and longer contexts
         absorbed (`triton_latent.py`, which reads the device lengths)."""
         self.write_kv(kv_layer, *latent.split_rows(rows), batch)
-        lens, contexts = batch.query_lens_cpu, batch.context_lens_cpu
-        if self.step_metadata(batch).host_lengths and mla_prefill.expands(lens, contexts):
+        lens, contexts, metadata = batch.query_lens_cpu, batch.context_lens_cpu, self.step_metadata(batch)
+        if metadata.host_lengths and mla_prefill.expands(lens, contexts):
             pool, table = mla_prefill.expand_context(kv_layer, w_uk, w_uv, batch.block_tables, contexts,
                                                      q_shared.shape[-1])
             query = mla_prefill.padded_query(q_nope, q_shared, pool.shape[-1])
             config = triton_paged.default_prefill_config(query.shape[-1], query.dtype)
             blocks = sum(-(-n // config.block_m) for n in lens)
             splits = triton_paged.prefill_splits(blocks * query.shape[1], max(contexts),
-                                                 triton_latent.num_sms(query.device))
+                                                 triton_paged.num_sms(query.device))
             out = triton_paged.paged_prefill_attention(query, pool, table, batch.cu_seqlens, batch.context_lens,
                                                        lens, scale=scale, config=config, num_splits=splits)
             return out[..., : w_uv.shape[1]]
-        max_context = self.step_metadata(batch).max_context_len
 
         def attend(absorbed: torch.Tensor) -> torch.Tensor:
             return triton_latent.latent_attention(absorbed, kv_layer, batch.block_tables, batch.cu_seqlens,
-                                                  batch.context_lens, lens, max_context, scale=scale,
+                                                  batch.context_lens, lens, metadata.max_context_len, scale=scale,
                                                   value_dim=w_uk.shape[-1])
 
         return latent.absorbed_attention(q_nope, q_shared, w_uk, w_uv, attend)

@@ -50,7 +50,6 @@ class TritonAttention:
 
         self._kernels = triton_paged
         self._block_m = triton_paged.default_prefill_config(256, torch.bfloat16).block_m
-        self._sms: int | None = None
 
     @staticmethod
     def problems(shapes: ModelShapes) -> list[str]:
@@ -88,7 +87,7 @@ class TritonAttention:
             table = table[lead:]
         blocks = table.shape[0] if table is not None else num_chunks(batch.query_lens_cpu, config.block_m)
         splits = self._kernels.prefill_splits(blocks * query.shape[1], metadata.max_context_len,
-                                              self._num_sms(query.device))
+                                              self._kernels.num_sms(query.device))
         out = self._kernels.paged_prefill_attention(
             query, kv_layer, batch.block_tables, batch.cu_seqlens, batch.context_lens, batch.query_lens_cpu,
             scale=scale, config=config, chunk_indices=table, kv_scales=kv_scales, num_splits=splits,
@@ -99,9 +98,3 @@ class TritonAttention:
                 scale=scale, kv_scales=kv_scales, out=out[:lead],
             )
         return out
-
-    def _num_sms(self, device: torch.device) -> int:
-        """The device's multiprocessors (read once)."""
-        if self._sms is None:
-            self._sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 64
-        return self._sms

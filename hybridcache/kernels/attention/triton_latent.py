@@ -28,7 +28,6 @@ fp32 inputs use IEEE fp32 dot products (not tf32), so fp32 runs match the refere
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -38,7 +37,7 @@ import triton.language as tl
 
 from hybridcache.kernels import pdl
 from hybridcache.kernels.attention.latent import check_latent_shapes
-from hybridcache.kernels.attention.triton_paged import _MERGE_BLOCK_S, _decode_merge_kernel
+from hybridcache.kernels.attention.triton_paged import _MERGE_BLOCK_S, _decode_merge_kernel, num_sms
 
 _LOG2E = 1.4426950408889634
 
@@ -239,9 +238,3 @@ def latent_attention(
             D_PAD=triton.next_power_of_2(value_dim), BLOCK_S=_MERGE_BLOCK_S, **pdl.options(acc),
         )
     return out
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    """The device's multiprocessors (64 off CUDA: the interpreter's runs)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 64

@@ -33,6 +33,7 @@ fp32 inputs use IEEE fp32 dot products (not tf32), so fp32 runs match the refere
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -315,6 +316,13 @@ def _decode_merge_kernel(acc_ptr, ml_ptr, out_ptr, stride_on, stride_oh, num_hea
              mask=dim_ok)
 
 
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The device's multiprocessors, read once a device (64 off CUDA: the interpreter's runs); what the split
+    counts of these kernels and of `triton_latent` cover."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 64
+
+
 def _precision(dtype: torch.dtype) -> str:
     """IEEE fp32 products for fp32 inputs (Triton's default would be tf32); bf16/fp16 ignore it."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -486,7 +494,7 @@ def paged_decode_attention(
     d_pad = triton.next_power_of_2(head_dim)
     if q.dtype == torch.float32:
         block_n = min(block_n, 32)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 64
+    sms = num_sms(q.device)
     num_splits, _ = decode_splits(num, num_kv_heads, max_context_len, block_n, sms, launch.coverage)
     partial = torch.empty(num, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(num, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
