@@ -272,7 +272,7 @@ class DiskTier:
                 self._states.move_to_end(state.key)
             self.stats.num_promoted_checkpoints += 1
             with contextlib.suppress(OSError):  # the start-up scan's LRU order is the files' mtimes
-                os.utime(self._state_path(state.key))
+                _stamp(self._state_path(state.key))
             self.stats.num_promoted_blocks += len(blocks)
         empty = torch.empty((0, self.page_words), dtype=self.word_dtype)
         return (torch.cat(blocks) if blocks else empty), data
@@ -520,6 +520,7 @@ def _save(path: Path, data: torch.Tensor, metadata: dict[str, str]) -> None:
     try:
         save_file({"data": data}, str(tmp), metadata={**metadata, "checksum": _checksum(data, metadata)})
         os.replace(tmp, path)
+        _stamp(path)
     except BaseException:
         with contextlib.suppress(OSError):  # (a read-only folder: the write's own error goes on)
             tmp.unlink()
@@ -527,6 +528,14 @@ def _save(path: Path, data: torch.Tensor, metadata: dict[str, str]) -> None:
     finally:
         if fd is not None:
             os.close(fd)  # releases the lock (after the rename: the temporary name is gone by then)
+
+
+def _stamp(path: Path) -> None:
+    """Set `path`'s mtime to now from the fine clock (`time.time_ns`). The kernel stamps a write with its coarse
+    clock (one tick, ~4 ms, on ext4), so a write and a later read's touch could tie and the restarted tier's LRU
+    order would fall to the listing's; every mtime the tier sets comes from here instead."""
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
 
 
 def _create_temp(path: Path) -> tuple[Path, int | None]:
