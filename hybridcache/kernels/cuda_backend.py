@@ -5,7 +5,8 @@
 | write_kv, attention | its attention backend (default "triton", `attention/triton_backend.py`: split-KV decode   |
 |                  | kernel for an all-decode step, the paged flash-attention prefill kernel otherwise)            |
 | mla_attention    | Kimi Linear's MLA: decode absorbed, one Triton launch over rows of (token, head)         |
-|                  | (`attention/triton_latent.py`); prefill expanded into the paged prefill kernel (`mla_prefill`) |
+|                  | (`attention/triton_latent.py`); prefill expanded into the paged prefill kernel, in windows of |
+|                  | keys past 32,768 context tokens, its leading decode rows absorbed (`mla_prefill`)              |
 | causal_conv1d    | in-place step kernel                        | varlen kernel + state write                     |
 | gated_delta_rule | in-place Triton step kernel                 | our l2norm of q / k, then fla's chunked kernel  |
 |   per-channel g (Kimi Delta Attention) | the same step kernel, g a column | fla's chunked KDA kernels, leading |
@@ -230,30 +231,59 @@ class CudaBackend(SharedOps):
         self, q_nope: torch.Tensor, q_shared: torch.Tensor, rows: torch.Tensor, w_uk: torch.Tensor,
         w_uv: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
     ) -> torch.Tensor:
-        """A prefill step whose contexts fit `mla_prefill.EXPAND_MAX_TOKENS` runs expanded (the paged prefill
-        kernel over a scratch pool of the contexts' keys and values, sized from the host lengths); decode steps,
-        captured graphs, a whole-step graph's static batch (`CudaMetadata.host_lengths`) and longer contexts
-        absorbed (`triton_latent.py`, which reads the device lengths)."""
+        """A prefill step runs as `mla_prefill.plan` says: its leading decode rows absorbed (`triton_latent.py`,
+        which reads the device lengths), the rest expanded (the paged prefill kernel over a scratch pool of the
+        contexts' keys and values, sized from the host lengths; in windows of key positions when they exceed
+        `mla_prefill.EXPAND_MAX_TOKENS`). Decode steps, captured graphs and a whole-step graph's static batch
+        (`CudaMetadata.host_lengths`) run absorbed whole."""
         self.write_kv(kv_layer, *latent.split_rows(rows), batch)
         lens, contexts, metadata = batch.query_lens_cpu, batch.context_lens_cpu, self.step_metadata(batch)
-        if metadata.host_lengths and mla_prefill.expands(lens, contexts):
-            pool, table = mla_prefill.expand_context(kv_layer, w_uk, w_uv, batch.block_tables, contexts,
-                                                     q_shared.shape[-1])
-            query = mla_prefill.padded_query(q_nope, q_shared, pool.shape[-1])
-            config = triton_paged.default_prefill_config(query.shape[-1], query.dtype)
-            blocks = sum(-(-n // config.block_m) for n in lens)
-            splits = triton_paged.prefill_splits(blocks * query.shape[1], max(contexts),
-                                                 triton_paged.num_sms(query.device))
-            out = triton_paged.paged_prefill_attention(query, pool, table, batch.cu_seqlens, batch.context_lens,
-                                                       lens, scale=scale, config=config, num_splits=splits)
-            return out[..., : w_uv.shape[1]]
+        plan = mla_prefill.plan(lens, contexts, kv_layer.shape[2]) if metadata.host_lengths else None
+        if plan is None:
+            return self._mla_absorbed(q_nope, q_shared, w_uk, w_uv, kv_layer, batch.block_tables, batch.cu_seqlens,
+                                      batch.context_lens, lens, metadata.max_context_len, scale)
+        lead = plan.lead  # decode rows: one token each
+        # (new tensors, not offset views: a kernel argument's pointer alignment is a compile-time specialisation)
+        tables, cu, ctx = batch.block_tables[lead:], batch.cu_seqlens[lead:] - lead, batch.context_lens[lead:].clone()
+        expanded = self._mla_expanded(q_nope[lead:], q_shared[lead:], w_uk, w_uv, kv_layer, tables, cu, ctx,
+                                      lens[lead:], contexts[lead:], plan.window, scale)
+        if not lead:
+            return expanded
+        absorbed = self._mla_absorbed(q_nope[:lead], q_shared[:lead], w_uk, w_uv, kv_layer, batch.block_tables[:lead],
+                                      batch.cu_seqlens[: lead + 1], batch.context_lens[:lead], lens[:lead],
+                                      max(contexts[:lead]), scale)
+        return torch.cat([absorbed, expanded])
 
+    @staticmethod
+    def _mla_absorbed(q_nope, q_shared, w_uk, w_uv, kv_layer, tables, cu, ctx, lens, max_context_len, scale):
         def attend(absorbed: torch.Tensor) -> torch.Tensor:
-            return triton_latent.latent_attention(absorbed, kv_layer, batch.block_tables, batch.cu_seqlens,
-                                                  batch.context_lens, lens, metadata.max_context_len, scale=scale,
-                                                  value_dim=w_uk.shape[-1])
+            return triton_latent.latent_attention(absorbed, kv_layer, tables, cu, ctx, lens, max_context_len,
+                                                  scale=scale, value_dim=w_uk.shape[-1])
 
         return latent.absorbed_attention(q_nope, q_shared, w_uk, w_uv, attend)
+
+    @staticmethod
+    def _mla_expanded(q_nope, q_shared, w_uk, w_uv, kv_layer, tables, cu, ctx, lens, contexts, window, scale):
+        width = max(w_uk.shape[1] + q_shared.shape[-1], w_uv.shape[1])
+        dtype = q_nope.dtype
+        config = triton_paged.default_prefill_config(width, dtype)
+        blocks = sum(-(-n // config.block_m) for n in lens)
+        sms = triton_paged.num_sms(q_nope.device)
+        if window is None:
+            pool, table = mla_prefill.expand_context(kv_layer, w_uk, w_uv, tables, contexts, q_shared.shape[-1])
+            query = mla_prefill.padded_query(q_nope, q_shared, width)
+            splits = triton_paged.prefill_splits(blocks * query.shape[1], max(contexts), sms)
+            out = triton_paged.paged_prefill_attention(query, pool, table, cu, ctx, lens, scale=scale,
+                                                       config=config, num_splits=splits)
+            return out[..., : w_uv.shape[1]]
+        splits = triton_paged.prefill_splits(blocks * q_nope.shape[1], window, sms)
+
+        def partials(query, pool, table, key_window):
+            return triton_paged.paged_prefill_partials(query, pool, table, cu, ctx, lens, scale=scale,
+                                                       key_window=key_window, num_splits=splits, config=config)
+
+        return mla_prefill.windowed_attention(q_nope, q_shared, kv_layer, w_uk, w_uv, tables, contexts, window,
+                                              partials)
 
     def causal_conv1d(
         self,

@@ -48,8 +48,8 @@ and the maths):
 
 qa_h . row_j = q_nope_h . (W_UK_h c_j) + q_shared_h . k_shared_j is the expanded key's score, and W_UV_h lat_h the
 weighted sum of the expanded values, so the results are the expanded attention's up to rounding; on CUDA a prefill
-step instead up-projects its contexts and runs the expanded attention (`kernels/attention/mla_prefill.py`), a
-third of the arithmetic. A token and layer
+step instead up-projects its contexts (in windows of keys past 32,768 tokens) and runs the expanded attention
+(`kernels/attention/mla_prefill.py`), a third of the arithmetic. A token and layer
 take E values (1,152 B in bf16 for the released models, R = 512, Dr = 64) against the expanded 2 x H x 192
 (24 KiB).
 

@@ -30,6 +30,8 @@ def test_every_pair_count_sorts_with_a_block_start_up_compiles():
     (triton_fp8_moe._shared_prologue_kernel, "stride_gate"),
     (triton_paged._decode_merge_kernel, "num_splits"),
     (triton_paged._prefill_split_kernel, "num_splits"),
+    (triton_paged._prefill_split_kernel, "key_lo"),
+    (triton_paged._prefill_split_kernel, "key_hi"),
     (triton_block_fp8._fp8_gemm_kernel, "M"),
     (triton_quant._quantize_groups_kernel, "M"),
     (triton_quant._quantize_groups_kernel, "stride_sg"),

@@ -210,17 +210,19 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "key_lo", "key_hi"])
 def _prefill_split_kernel(
-    q_ptr, kv_ptr, acc_ptr, ml_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, qk_scale, v_scale, num_splits,
+    q_ptr, kv_ptr, acc_ptr, ml_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, qk_scale, v_scale, num_splits, key_lo, key_hi,
     stride_qt, stride_qh, stride_kind, stride_page, stride_row, stride_bt,
     GROUP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """`_prefill_kernel` over one of `num_splits` key ranges (program axis 2): the key blocks a query block sees,
-    [0, last), cut into equal runs of whole blocks from the device lengths (so a graph captured for a long context
-    serves any); unnormalised partials acc (times v_scale), m, l for `_prefill_merge_kernel`. A split past a
-    row's position leaves that row m = -inf, l = 0."""
+    """`_prefill_kernel` over one of `num_splits` key ranges (program axis 2): the key blocks a query block sees
+    within the window [key_lo, key_hi) of positions (key_lo a multiple of BLOCK_N; the block table is read only
+    there), [key_lo, min(key_hi, last)), cut into equal runs of whole blocks from the device lengths (so a graph
+    captured for a long context serves any); unnormalised partials acc (times v_scale), m, l for
+    `_decode_merge_kernel` or `mla_prefill.merge_partials`. A split (or window) past a row's position leaves that row
+    m = -inf, l = 0."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -231,9 +233,10 @@ def _prefill_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    split_len = tl.cdiv(tl.cdiv(last, BLOCK_N), num_splits) * BLOCK_N
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, last)
+    end = tl.minimum(key_hi, last)
+    split_len = tl.cdiv(tl.cdiv(tl.maximum(end - key_lo, 0), BLOCK_N), num_splits) * BLOCK_N
+    lo = key_lo + split * split_len
+    hi = tl.minimum(lo + split_len, end)
     for start in range(lo, tl.minimum(unmasked_end, hi), BLOCK_N):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, qk_scale, kv_ptr, bt_row_ptr, start, ctx, q_pos, dims,
                                       dim_ok, kv_head_off, stride_kind, stride_page, stride_row, PAGE, BLOCK_N, False,
@@ -395,18 +398,61 @@ def paged_prefill_attention(
             kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0), **geometry,
         )
         return out
-    partial = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
-    _prefill_split_kernel[(table.shape[0], num_heads, num_splits)](
-        q, kv_pool, partial, ml, block_tables, cu_seqlens, context_lens, table, scale * _LOG2E * kv_scales[0],
-        kv_scales[1], num_splits, q.stride(0), q.stride(1),
-        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0), **geometry,
-    )
+    partial, ml = _split_partials(q, kv_pool, block_tables, cu_seqlens, context_lens, table, geometry,
+                                  scale * _LOG2E * kv_scales[0], kv_scales[1], num_splits, (0, _NO_KEY_LIMIT))
     _decode_merge_kernel[(num_tokens, num_heads)](
         partial, ml, out, out.stride(0), out.stride(1), num_heads, num_splits, D=head_dim, D_PAD=d_pad,
         BLOCK_S=_MERGE_BLOCK_S, **pdl.options(partial),
     )
     return out
+
+
+_NO_KEY_LIMIT = 2**31 - 1
+
+
+def paged_prefill_partials(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens_cpu: Sequence[int],
+    *,
+    scale: float,
+    key_window: tuple[int, int],
+    num_splits: int = 1,
+    config: PrefillConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`paged_prefill_attention`'s arguments (q and the pool in one dtype), the keys at positions in `key_window`
+    [lo, hi) only (lo a multiple of the config's block_n; the block table is read only for pages there), left
+    unmerged: (acc [T, Hq, num_splits, D], ml [T, Hq, num_splits, 2]) in fp32, each split's unnormalised output
+    and its (max score, sum of exp2(score - max)) in log2 units. A row that sees no key there has m = -inf, l = 0.
+    `mla_prefill.merge_partials` folds windows together (MLA's windowed prefill)."""
+    _check(q, kv_pool)
+    head_dim = q.shape[-1]
+    d_pad = triton.next_power_of_2(head_dim)
+    cfg = config or default_prefill_config(d_pad, q.dtype)
+    if key_window[0] % cfg.block_n:
+        raise ValueError(f"the key window starts at {key_window[0]}, not a multiple of block_n {cfg.block_n}")
+    table = make_chunk_indices(cu_seqlens, query_lens_cpu, cfg.block_m)
+    geometry = dict(GROUP=q.shape[1] // kv_pool.shape[3], PAGE=kv_pool.shape[2], D=head_dim, D_PAD=d_pad,
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype), num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages)
+    return _split_partials(q, kv_pool, block_tables, cu_seqlens, context_lens, table, geometry, scale * _LOG2E, 1.0,
+                           num_splits, key_window)
+
+
+def _split_partials(q, kv_pool, block_tables, cu_seqlens, context_lens, table, geometry, qk_scale, v_scale,
+                    num_splits, key_window) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_heads, head_dim = q.shape
+    partial = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    _prefill_split_kernel[(table.shape[0], num_heads, num_splits)](
+        q, kv_pool, partial, ml, block_tables, cu_seqlens, context_lens, table, qk_scale, v_scale, num_splits,
+        key_window[0], min(key_window[1], _NO_KEY_LIMIT), q.stride(0), q.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0), **geometry,
+    )
+    return partial, ml
 
 
 # A split of the prefill kernel's keys covers at least this many: shorter runs cost more in partial sums written and
