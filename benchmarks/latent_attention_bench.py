@@ -1,7 +1,9 @@
 """Kimi Linear's MLA attention on the GPU: the latent kernel (`attention/triton_latent.py`, what the engine runs
 since the latent cache) against the paged GQA kernels over the expanded keys and values it replaced
 (`attention/triton_paged.py`, 32 heads of 192, values padded), at Kimi-Linear-48B's widths, one layer, bf16; and the
-latent kernel at other tiles (`SWEEP`).
+latent kernel at other tiles (`SWEEP`); and the engine's op (`CudaBackend.mla_attention`: the step's rows written,
+then decode absorbed, prefill expanded with its up-projection GEMMs, in windows of keys past 32,768 context tokens),
+checked against the torch reference where it fits.
 
     PYTHONUNBUFFERED=1 python benchmarks/latent_attention_bench.py [--out DIR]
 
@@ -42,6 +44,8 @@ CASES = [
     ("decode 1 x 131,072", (1,), (131071,)),
     ("prefill 1 x 2,048 fresh", (2048,), (0,)),
     ("prefill chunk 2,048 over 30,000", (2048,), (30000,)),
+    ("prefill chunk 2,048 over 100,000", (2048,), (100000,)),
+    ("mixed 32 decodes x 8,192 + chunk 2,048 over 4,000", (1,) * 32 + (2048,), (8191,) * 32 + (4000,)),
     ("prefill 16 x 1,024 fresh", (1024,) * 16, (0,) * 16),
 ]
 
@@ -142,12 +146,58 @@ def time_expanded(lengths, history, row: dict) -> None:
     row["expanded_kv_bytes"] = sum(ctx) * 2 * HEADS * (NOPE + SHARED) * 2
 
 
+def time_engine(lengths, history, row: dict) -> None:
+    """The engine's MLA op on a step of these lengths (`CudaBackend.mla_attention`, the Triton attention backend):
+    its time with the step's writes and up-projections, and its error against the fp32 torch reference."""
+    from hybridcache.forward_batch import ForwardBatch
+    from hybridcache.kernels.attention import mla_prefill
+    from hybridcache.kernels.attention.triton_backend import TritonAttention
+    from hybridcache.kernels.backend import ReferenceBackend
+    from hybridcache.kernels.cuda_backend import CudaBackend
+
+    cu, ctx_dev, table, ctx, num_pages = batch(lengths, history)
+    tokens = sum(lengths)
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    pool = torch.randn(2, num_pages, PAGE, 1, E // 2, device=DEV, generator=gen).to(BF16)
+    rows = torch.randn(tokens, E, device=DEV, generator=gen).to(BF16)
+    q_nope = torch.randn(tokens, HEADS, NOPE, device=DEV, generator=gen).to(BF16)
+    q_shared = torch.randn(tokens, HEADS, SHARED, device=DEV, generator=gen).to(BF16)
+    w_uk = torch.randn(HEADS, NOPE, RANK, device=DEV, generator=gen).to(BF16) * RANK**-0.5
+    w_uv = torch.randn(HEADS, VDIM, RANK, device=DEV, generator=gen).to(BF16) * RANK**-0.5
+    positions = torch.cat([torch.arange(c - n, c) for n, c in zip(lengths, ctx, strict=True)]).to(DEV)
+    host_table = table.cpu()
+    kv_rows = torch.tensor([int(host_table[i, p // PAGE]) * PAGE + p % PAGE
+                            for i, (n, c) in enumerate(zip(lengths, ctx, strict=True)) for p in range(c - n, c)],
+                           dtype=torch.int64, device=DEV)
+    step = ForwardBatch(input_ids=torch.zeros(tokens, dtype=torch.int64, device=DEV), positions=positions,
+                        cu_seqlens=cu, context_lens=ctx_dev, block_tables=table, kv_rows=kv_rows,
+                        state_slots=torch.arange(len(lengths), device=DEV), logits_indices=(cu[1:] - 1).long(),
+                        query_lens_cpu=tuple(lengths), context_lens_cpu=tuple(ctx))
+    backend = CudaBackend(TritonAttention())
+    prepared = backend.prepare(step)
+    plan = mla_prefill.plan(step.query_lens_cpu, step.context_lens_cpu, PAGE)
+    row["engine_plan"] = "absorbed" if plan is None else f"lead {plan.lead}, window {plan.window}"
+
+    def engine():
+        return backend.mla_attention(q_nope, q_shared, rows, w_uk, w_uv, pool, prepared, scale=SCALE)
+
+    if sum(ctx) <= 300_000:
+        reference = ReferenceBackend()
+        f32 = [t.float() for t in (q_nope, q_shared, rows, w_uk, w_uv)]
+        want = reference.mla_attention(*f32, pool.float(), reference.prepare(step), scale=SCALE)
+        row["engine_max_rel_err"] = ((engine().float() - want).abs().max() / want.abs().max()).item()
+    row["engine_ms"] = median_ms(engine)
+
+
 def run_case(name, lengths, history) -> dict:
     row = {"case": name, "tokens": sum(lengths), "max_context": max(h + n for h, n in zip(history, lengths))}
     time_latent(lengths, history, row)
     torch.cuda.empty_cache()
     time_expanded(lengths, history, row)
     torch.cuda.empty_cache()
+    if not all(n == 1 for n in lengths):
+        time_engine(lengths, history, row)
+        torch.cuda.empty_cache()
     return row
 
 
@@ -173,6 +223,12 @@ def main() -> None:
               f"{r['expanded_ms']:.3f} | {r['latent_ms'] / r['expanded_ms']:.2f} | "
               f"{r['latent_kv_bytes'] / 1e6:.1f} MB / {r['expanded_kv_bytes'] / 1e6:.1f} MB | "
               f"{r.get('max_rel_err', float('nan')):.1e} |")
+    print("\nThe engine's op (CudaBackend.mla_attention: writes, up-projections, expansion), prefill steps:")
+    for r in rows:
+        if "engine_ms" in r:
+            err = r.get("engine_max_rel_err", float("nan"))
+            print(f"  {r['case']}: {r['engine_plan']}: {r['engine_ms']:.3f} ms against absorbed "
+                  f"{r['latent_with_up_projections_ms']:.3f}; max rel err {err:.1e}")
     print("\nTiles (LatentConfig(block_m, block_n, block_e, block_v, num_warps)), ms:")
     for r in rows:
         if "sweep_ms" in r:
