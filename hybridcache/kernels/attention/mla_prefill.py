@@ -128,18 +128,20 @@ def merge_partials(
     """Fold one launch's partials (`triton_paged.paged_prefill_partials`: acc [T, H, S, D], ml [T, H, S, 2]) into
     a running (acc [T, H, D], m [T, H], l [T, H]) in fp32 (None: the first); the output is acc / l[..., None]. The
     sums of `triton_paged._decode_merge_kernel`, in torch: with M the greatest m so far, acc = sum 2^(m_s - M)
-    acc_s and l likewise. A row with no key yet keeps m = -inf and sums 0."""
+    acc_s and l likewise. A row with no key yet keeps m = -inf and sums 0. `acc` and the running sums are updated
+    in place (a window's partials are as large as the running output: a chunk of 8,192 tokens over 32 heads of 192
+    lanes is 200 MB of each)."""
     m_new, l_new = ml[..., 0], ml[..., 1]
     top = m_new.amax(-1)
     if running is not None:
         top = torch.maximum(top, running[1])
     base = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # no key yet: every weight 2^-inf = 0
     weights = torch.exp2(m_new - base[..., None])
-    total = (acc * weights[..., None]).sum(2)
+    total = acc.mul_(weights[..., None]).sum(2)
     sums = (l_new * weights).sum(-1)
     if running is not None:
         old = torch.exp2(running[1] - base)
-        total += running[0] * old[..., None]
+        total = running[0].mul_(old[..., None]).add_(total)
         sums += running[2] * old
     return total, top, sums
 
