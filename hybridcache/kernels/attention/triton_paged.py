@@ -385,12 +385,8 @@ def paged_prefill_attention(
     out = _output(q, out)
     if num_tokens == 0:
         return out
-    d_pad = triton.next_power_of_2(head_dim)
-    cfg = config or default_prefill_config(d_pad, q.dtype)
+    cfg, geometry = _prefill_geometry(q, kv_pool, config)
     table = make_chunk_indices(cu_seqlens, query_lens_cpu, cfg.block_m) if chunk_indices is None else chunk_indices
-    geometry = dict(GROUP=num_heads // kv_pool.shape[3], PAGE=kv_pool.shape[2], D=head_dim, D_PAD=d_pad,
-                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype), num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages)
     if num_splits <= 1:
         _prefill_kernel[(table.shape[0], num_heads)](
             q, kv_pool, out, block_tables, cu_seqlens, context_lens, table, scale * _LOG2E * kv_scales[0],
@@ -401,7 +397,7 @@ def paged_prefill_attention(
     partial, ml = _split_partials(q, kv_pool, block_tables, cu_seqlens, context_lens, table, geometry,
                                   scale * _LOG2E * kv_scales[0], kv_scales[1], num_splits, (0, _NO_KEY_LIMIT))
     _decode_merge_kernel[(num_tokens, num_heads)](
-        partial, ml, out, out.stride(0), out.stride(1), num_heads, num_splits, D=head_dim, D_PAD=d_pad,
+        partial, ml, out, out.stride(0), out.stride(1), num_heads, num_splits, D=head_dim, D_PAD=geometry["D_PAD"],
         BLOCK_S=_MERGE_BLOCK_S, **pdl.options(partial),
     )
     return out
@@ -429,17 +425,24 @@ def paged_prefill_partials(
     and its (max score, sum of exp2(score - max)) in log2 units. A row that sees no key there has m = -inf, l = 0.
     `mla_prefill.merge_partials` folds windows together (MLA's windowed prefill)."""
     _check(q, kv_pool)
-    head_dim = q.shape[-1]
-    d_pad = triton.next_power_of_2(head_dim)
-    cfg = config or default_prefill_config(d_pad, q.dtype)
+    cfg, geometry = _prefill_geometry(q, kv_pool, config)
     if key_window[0] % cfg.block_n:
         raise ValueError(f"the key window starts at {key_window[0]}, not a multiple of block_n {cfg.block_n}")
     table = make_chunk_indices(cu_seqlens, query_lens_cpu, cfg.block_m)
-    geometry = dict(GROUP=q.shape[1] // kv_pool.shape[3], PAGE=kv_pool.shape[2], D=head_dim, D_PAD=d_pad,
-                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype), num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages)
     return _split_partials(q, kv_pool, block_tables, cu_seqlens, context_lens, table, geometry, scale * _LOG2E, 1.0,
                            num_splits, key_window)
+
+
+def _prefill_geometry(q: torch.Tensor, kv_pool: torch.Tensor,
+                      config: PrefillConfig | None) -> tuple[PrefillConfig, dict[str, object]]:
+    """The prefill kernels' tiles (`config`, or the default for q's padded head dim and dtype) and their
+    compile-time arguments."""
+    head_dim = q.shape[-1]
+    d_pad = triton.next_power_of_2(head_dim)
+    cfg = config or default_prefill_config(d_pad, q.dtype)
+    return cfg, dict(GROUP=q.shape[1] // kv_pool.shape[3], PAGE=kv_pool.shape[2], D=head_dim, D_PAD=d_pad,
+                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype),
+                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _split_partials(q, kv_pool, block_tables, cu_seqlens, context_lens, table, geometry, qk_scale, v_scale,
