@@ -243,8 +243,9 @@ class CudaBackend(SharedOps):
             return self._mla_absorbed(q_nope, q_shared, w_uk, w_uv, kv_layer, batch.block_tables, batch.cu_seqlens,
                                       batch.context_lens, lens, metadata.max_context_len, scale)
         lead = plan.lead  # decode rows: one token each
-        # (new tensors, not offset views: a kernel argument's pointer alignment is a compile-time specialisation)
-        tables, cu, ctx = batch.block_tables[lead:], batch.cu_seqlens[lead:] - lead, batch.context_lens[lead:].clone()
+        tables, cu, ctx = batch.block_tables, batch.cu_seqlens, batch.context_lens
+        if lead:  # (new tensors, not offset views: a kernel argument's pointer alignment is a compile-time choice)
+            tables, cu, ctx = tables[lead:], cu[lead:] - lead, ctx[lead:].clone()
         expanded = self._mla_expanded(q_nope[lead:], q_shared[lead:], w_uk, w_uv, kv_layer, tables, cu, ctx,
                                       lens[lead:], contexts[lead:], plan.window, scale)
         if not lead:
@@ -255,7 +256,12 @@ class CudaBackend(SharedOps):
         return torch.cat([absorbed, expanded])
 
     @staticmethod
-    def _mla_absorbed(q_nope, q_shared, w_uk, w_uv, kv_layer, tables, cu, ctx, lens, max_context_len, scale):
+    def _mla_absorbed(
+        q_nope: torch.Tensor, q_shared: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, kv_layer: torch.Tensor,
+        tables: torch.Tensor, cu: torch.Tensor, ctx: torch.Tensor, lens: Sequence[int], max_context_len: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """MLA absorbed (the latent kernel) for sequences of these block tables, cu_seqlens and device lengths."""
         def attend(absorbed: torch.Tensor) -> torch.Tensor:
             return triton_latent.latent_attention(absorbed, kv_layer, tables, cu, ctx, lens, max_context_len,
                                                   scale=scale, value_dim=w_uk.shape[-1])
@@ -263,7 +269,12 @@ class CudaBackend(SharedOps):
         return latent.absorbed_attention(q_nope, q_shared, w_uk, w_uv, attend)
 
     @staticmethod
-    def _mla_expanded(q_nope, q_shared, w_uk, w_uv, kv_layer, tables, cu, ctx, lens, contexts, window, scale):
+    def _mla_expanded(
+        q_nope: torch.Tensor, q_shared: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, kv_layer: torch.Tensor,
+        tables: torch.Tensor, cu: torch.Tensor, ctx: torch.Tensor, lens: Sequence[int], contexts: Sequence[int],
+        window: int | None, scale: float,
+    ) -> torch.Tensor:
+        """MLA expanded (`mla_prefill`): one pass over the contexts (window None) or windows of `window` keys."""
         width = max(w_uk.shape[1] + q_shared.shape[-1], w_uv.shape[1])
         dtype = q_nope.dtype
         config = triton_paged.default_prefill_config(width, dtype)
