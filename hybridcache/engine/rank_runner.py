@@ -293,10 +293,12 @@ def _cuda_budget(
     free_at_start: int,
 ) -> int:
     """Bytes left for the pools on a CUDA device: the engine's `share` (`memory.engine_share`), less what it took
-    since it started (`free_at_start` - free now) and the activation peak of one forward of `step_tokens` tokens
-    (measured)."""
+    since it started (`free_at_start` - free now), the activation peak of one forward of `step_tokens` tokens
+    (measured) and the model's workspace beyond it (`HybridCausalLM.workspace_bytes`: Kimi's expanded MLA prefill
+    over a long context)."""
     activation = measure_activation_bytes(
         model, backend, num_tokens=step_tokens, block_size=config.block_size,
         kernel_block_size=config.kernel_block_size, dtype=dtype, state_dtype=state_dtype, device=device,
     )
-    return share - (free_at_start - torch.cuda.mem_get_info(device)[0]) - activation
+    workspace = model.workspace_bytes(step_tokens) if hasattr(model, "workspace_bytes") else 0
+    return share - (free_at_start - torch.cuda.mem_get_info(device)[0]) - activation - workspace

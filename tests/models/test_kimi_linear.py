@@ -17,7 +17,7 @@ from hybridcache.layers.parallel import TensorParallel
 from hybridcache.models import ModelConfig, get_model_class, load_weights
 from hybridcache.models.config import LayerKind
 
-from .helpers import TOLERANCE, PagedRunner, random_tokens, rel_err
+from .helpers import TOLERANCE, PagedRunner, make_pair, random_tokens, rel_err
 from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `pair`
     test_decode_after_prefill_matches_full_and_incremental_forward,
     test_mixed_batch_of_prefill_chunks_and_decodes,
@@ -168,6 +168,21 @@ def test_the_released_models_kv_is_the_latent():
     cost = ModelCost.from_config(released_kimi_config())
     assert cost.kv_bytes_per_token == 7 * 576 * 2
     assert cost.attn_flops_per_token_pair == 2 * 7 * 32 * (576 + 512)
+
+
+def test_the_released_models_workspace_is_its_expanded_prefill_at_the_cap():
+    """What the engine keeps out of the pools on CUDA for Kimi-Linear-48B in bf16 at 8,192 tokens a step: one MLA
+    layer's expanded prefill at the cap (`mla_prefill.workspace_bytes`' worked example, 1.92 GB), growing with the
+    step; the tiny Kimi's at its own widths and dtype; a model without MLA keeps none."""
+    from hybridcache.kernels.attention import mla_prefill
+
+    with torch.device("meta"):
+        model = get_model_class("KimiLinearForCausalLM")(released_kimi_config()).to(torch.bfloat16)
+    assert model.workspace_bytes(8192) == 1_916_796_928
+    assert model.workspace_bytes(2048) < model.workspace_bytes(8192)
+    tiny = make_kimi_pair("moe-groups").ours
+    assert tiny.workspace_bytes(64) == mla_prefill.workspace_bytes(4, 16, 8, 20, 24, 64, torch.float32) > 0
+    assert make_pair("qwen3_next").ours.workspace_bytes(8192) == 0
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

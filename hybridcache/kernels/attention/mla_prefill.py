@@ -71,6 +71,26 @@ def plan(query_lens_cpu: Sequence[int], context_lens_cpu: Sequence[int], page: i
     return None
 
 
+def workspace_bytes(num_heads: int, nope: int, shared_width: int, value_dim: int, rank: int, num_tokens: int,
+                    dtype: torch.dtype) -> int:
+    """The most one layer's expanded MLA holds at once for a step of up to `num_tokens` queries (an upper figure;
+    the engine keeps it out of the pools on CUDA, `HybridCausalLM.workspace_bytes`): an expansion at the cap (its
+    gathered latent rows, the scratch pool, one up-projection's output), the padded query and its concatenation,
+    and in windows the fp32 running output, a window's partials and their sum.
+
+    Kimi-Linear-48B's widths in bf16 (32 heads, Dn = Dv = 128, Dr = 64, R = 512; width 192), 8,192 queries: rows
+    32,768 x 576 x 2 B = 38 MB, scratch 2 x 32,768 x 32 x 192 x 2 B = 805 MB, an up-projection 32,768 x 32 x 128 x
+    2 B = 268 MB, queries 2 x 8,192 x 32 x 192 x 2 B = 201 MB, fp32 sums 3 x 8,192 x 32 x 192 x 4 B = 604 MB:
+    1.92 GB."""
+    size = torch.empty((), dtype=dtype).element_size()
+    width = max(nope + shared_width, value_dim)
+    cap = EXPAND_MAX_TOKENS
+    expansion = cap * (rank + shared_width) * size + 2 * cap * num_heads * width * size
+    expansion += cap * num_heads * max(nope, value_dim) * size
+    queries = 2 * num_tokens * num_heads * width * size + 3 * num_tokens * num_heads * width * 4
+    return expansion + queries
+
+
 def expand_context(
     kv_pool: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, block_tables: torch.Tensor,
     context_lens_cpu: Sequence[int], shared_width: int, window: tuple[int, int | None] = (0, None),
