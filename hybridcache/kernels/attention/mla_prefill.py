@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from hybridcache.kernels.attention.reference import gather_kv
+from hybridcache.kernels.attention.latent import gather_rows
 
 # The context tokens one expansion may hold (scratch: 2 x H x width values a token; 768 MiB at Kimi's widths in bf16)
 EXPAND_MAX_TOKENS = 32_768
@@ -129,8 +129,7 @@ def expand_context(
 def _rows(kv_pool: torch.Tensor, pages: torch.Tensor, keys: int, padded: int, latent_width: int) -> torch.Tensor:
     """The latent rows [padded, E] of a sequence's first `keys` positions from its block-table row `pages` (zero
     past `keys`)."""
-    k, v = gather_kv(kv_pool, pages, keys)
-    return F.pad(torch.cat([k[:, 0], v[:, 0]], dim=-1)[:, :latent_width], (0, 0, 0, padded - keys))
+    return F.pad(gather_rows(kv_pool, pages, keys, latent_width), (0, 0, 0, padded - keys))
 
 
 def padded_query(q_nope: torch.Tensor, q_shared: torch.Tensor, width: int) -> torch.Tensor:
