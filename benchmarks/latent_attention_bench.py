@@ -45,6 +45,8 @@ CASES = [
     ("prefill 1 x 2,048 fresh", (2048,), (0,)),
     ("prefill chunk 2,048 over 30,000", (2048,), (30000,)),
     ("prefill chunk 2,048 over 100,000", (2048,), (100000,)),
+    ("prefill chunk 32 over 30,000", (32,), (30000,)),
+    ("prefill chunk 128 over 30,000", (128,), (30000,)),
     ("mixed 32 decodes x 8,192 + chunk 2,048 over 4,000", (1,) * 32 + (2048,), (8191,) * 32 + (4000,)),
     ("prefill 16 x 1,024 fresh", (1024,) * 16, (0,) * 16),
 ]
@@ -177,6 +179,14 @@ def time_engine(lengths, history, row: dict) -> None:
     prepared = backend.prepare(step)
     plan = mla_prefill.plan(step.query_lens_cpu, step.context_lens_cpu, PAGE)
     row["engine_plan"] = "absorbed" if plan is None else f"lead {plan.lead}, window {plan.window}"
+    if plan is None:  # also time it expanded (`EXPAND_MIN_QUERIES` at 1): where the threshold should sit
+        forced = mla_prefill.EXPAND_MIN_QUERIES
+        mla_prefill.EXPAND_MIN_QUERIES = 1
+        try:
+            row["engine_expanded_ms"] = median_ms(lambda: backend.mla_attention(q_nope, q_shared, rows, w_uk, w_uv,
+                                                                                pool, prepared, scale=SCALE))
+        finally:
+            mla_prefill.EXPAND_MIN_QUERIES = forced
 
     def engine():
         return backend.mla_attention(q_nope, q_shared, rows, w_uk, w_uv, pool, prepared, scale=SCALE)
@@ -227,7 +237,8 @@ def main() -> None:
     for r in rows:
         if "engine_ms" in r:
             err = r.get("engine_max_rel_err", float("nan"))
-            print(f"  {r['case']}: {r['engine_plan']}: {r['engine_ms']:.3f} ms against absorbed "
+            forced = f", expanded {r['engine_expanded_ms']:.3f}" if "engine_expanded_ms" in r else ""
+            print(f"  {r['case']}: {r['engine_plan']}: {r['engine_ms']:.3f} ms{forced} against absorbed "
                   f"{r['latent_with_up_projections_ms']:.3f}; max rel err {err:.1e}")
     print("\nTiles (LatentConfig(block_m, block_n, block_e, block_v, num_warps)), ms:")
     for r in rows:

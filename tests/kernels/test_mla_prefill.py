@@ -74,16 +74,19 @@ def test_expanded_equals_absorbed(case: str, widths: str):
 
 def test_how_a_step_runs():
     plan, cap, Plan = mla_prefill.plan, mla_prefill.EXPAND_MAX_TOKENS, mla_prefill.ExpandPlan  # noqa: N806
-    assert cap == 32_768 and mla_prefill.WINDOW_GRANULE == 1024
-    assert plan((5, 1), (100, 40), 16) == Plan(0, None)  # (a decode row after a prefill: expanded with it)
-    assert plan((1, 1, 7), (cap, cap, 7), 16) == Plan(2, None)  # leading decode rows: absorbed, whatever their context
+    assert (cap, mla_prefill.WINDOW_GRANULE, mla_prefill.EXPAND_MIN_QUERIES) == (32_768, 1024, 32)
+    assert plan((500, 1), (600, 40), 16) == Plan(0, None)  # (a decode row after a prefill: expanded with it)
+    assert plan((1, 1, 700), (cap, cap, 700), 16) == Plan(2, None)  # leading decode rows: absorbed, any context
     assert plan((1, 1), (100, 40), 16) is None  # a decode step: absorbed reads 21x fewer bytes
     assert plan((1, 1, 2048), (900, 5000, 70_000), 16) == Plan(2, 32_768)  # the module docstring's examples
-    assert plan((7, 9), (20_000, 20_000), 16) == Plan(0, 16_384)
-    assert plan((7, 9), (20_000, 20_000), 3 * 1024) == Plan(0, 15_360)  # windows: whole pages too
-    assert plan((7, 1), (cap, 40), 16) == Plan(0, 32_768 - 1024)  # sum min(c, L) <= cap: the decode row's 40 too
-    assert plan((5,) * 32, (2000,) * 32, 16) == Plan(0, 1024)
-    assert plan((5,) * 33, (2000,) * 33, 16) is None  # 33 sequences over a window of 1,024 keys: absorbed
+    assert plan((2048, 2048), (20_000, 20_000), 16) == Plan(0, 16_384)
+    assert plan((20,), (50_000,), 16) is None
+    assert plan((2048, 2048), (20_000, 20_000), 3 * 1024) == Plan(0, 15_360)  # windows: whole pages too
+    assert plan((2048, 1), (cap, 40), 16) == Plan(0, 32_768 - 1024)  # sum min(c, L) <= cap: the decode row's 40 too
+    assert plan((2000,) * 32, (2000,) * 32, 16) == Plan(0, 1024)
+    assert plan((2000,) * 33, (2000,) * 33, 16) is None  # 33 sequences over a window of 1,024 keys: absorbed
+    # queries per context key: (32 x 100 + 1 x 3,100) / 3,200 < 32 (a decode row among the chunks), 32 x 3,100 ok
+    assert plan((32, 1), (100, 3100), 16) is None and plan((32, 32), (100, 3100), 16) == Plan(0, None)
 
 
 def _reference_partials(query, pool, table, window, batch, scale=0.3):
@@ -257,18 +260,20 @@ def test_cuda_expanded_prefill_at_kimi_widths(dtype: torch.dtype, case: str) -> 
     _triton_against_absorbed(case, (32, 512, 64), dtype, torch.device("cuda"), nope=128, value_dim=128)
 
 
-# (case, cap, granule) -> the plan `CudaBackend.mla_attention` follows (cap and granule shrunk to force windows),
-# and the calls it makes: (tokens of the absorbed kernel's launch, expansions of key windows)
+# (case, cap, granule, queries a key) -> the plan `CudaBackend.mla_attention` follows (cap, granule and the queries
+# a key it needs shrunk to force windows), and the calls it makes: (tokens of the absorbed kernel's launch,
+# expansions of key windows)
 BACKEND_PLANS = {
-    ("mixed", None, None): (mla_prefill.ExpandPlan(2, None), (2, 1)),  # decode rows absorbed, the rest in one pass
-    ("mixed", 64, 32): (mla_prefill.ExpandPlan(2, 32), (2, 2)),  # contexts 20, 49 past the cap: windows of 32
-    ("prefill", 96, 32): (mla_prefill.ExpandPlan(0, 32), (0, 5)),  # 17, 155, 61: sum min(c, 32) = 81 <= 96
-    ("prefill", 64, 32): (None, (62, 0)),  # 81 > 64: absorbed
-    ("decode", None, None): (None, (4, 0)),
+    ("mixed", None, None, 1): (mla_prefill.ExpandPlan(2, None), (2, 1)),  # decode rows absorbed, the rest in one pass
+    ("mixed", 64, 32, 1): (mla_prefill.ExpandPlan(2, 32), (2, 2)),  # contexts 20, 49 past the cap: windows of 32
+    ("mixed", None, None, 13): (None, (31, 0)),  # (20 x 20 + 9 x 49) / 69 = 12.2 queries a key: absorbed
+    ("prefill", 96, 32, 1): (mla_prefill.ExpandPlan(0, 32), (0, 5)),  # 17, 155, 61: sum min(c, 32) = 81 <= 96
+    ("prefill", 64, 32, 1): (None, (62, 0)),  # 81 > 64: absorbed
+    ("decode", None, None, 1): (None, (4, 0)),
 }
 
 
-def _backend_against_reference(case: str, cap: int | None, granule: int | None, dtype: torch.dtype,
+def _backend_against_reference(case: str, cap: int | None, granule: int | None, queries: int, dtype: torch.dtype,
                                device: torch.device, monkeypatch, widths=WIDTHS["H4-E32"], nope: int = NOPE,
                                value_dim: int = VALUE_DIM) -> None:
     """`CudaBackend.mla_attention` (its attention backend the torch reference's: only the MLA op is under test) on
@@ -281,11 +286,12 @@ def _backend_against_reference(case: str, cap: int | None, granule: int | None, 
     if cap is not None:
         monkeypatch.setattr(mla_prefill, "EXPAND_MAX_TOKENS", cap)
         monkeypatch.setattr(mla_prefill, "WINDOW_GRANULE", granule)
+    monkeypatch.setattr(mla_prefill, "EXPAND_MIN_QUERIES", queries)
     from hybridcache.kernels.attention import triton_latent
 
     heads, rank, shared = widths
     batch, kv, _, _ = _inputs(case, widths, dtype, device)
-    plan, calls = BACKEND_PLANS[case, cap, granule]
+    plan, calls = BACKEND_PLANS[case, cap, granule, queries]
     assert mla_prefill.plan(batch.query_lens_cpu, batch.context_lens_cpu, 16) == plan
     seen = {"absorbed": 0, "expanded": 0}
 
@@ -322,14 +328,15 @@ def _backend_against_reference(case: str, cap: int | None, granule: int | None, 
 
 
 @needs_interpreter
-@pytest.mark.parametrize(("case", "cap", "granule"), list(BACKEND_PLANS), ids=lambda x: str(x))
-def test_interpreted_backend_follows_the_plan(case: str, cap: int | None, granule: int | None, monkeypatch) -> None:
-    _backend_against_reference(case, cap, granule, torch.float32, torch.device("cpu"), monkeypatch)
+@pytest.mark.parametrize(("case", "cap", "granule", "queries"), list(BACKEND_PLANS), ids=lambda x: str(x))
+def test_interpreted_backend_follows_the_plan(case: str, cap: int | None, granule: int | None, queries: int,
+                                              monkeypatch) -> None:
+    _backend_against_reference(case, cap, granule, queries, torch.float32, torch.device("cpu"), monkeypatch)
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize(("case", "cap", "granule"), list(BACKEND_PLANS), ids=lambda x: str(x))
-def test_cuda_backend_follows_the_plan(case: str, cap: int | None, granule: int | None, dtype: torch.dtype,
-                                       monkeypatch) -> None:
-    _backend_against_reference(case, cap, granule, dtype, torch.device("cuda"), monkeypatch)
+@pytest.mark.parametrize(("case", "cap", "granule", "queries"), list(BACKEND_PLANS), ids=lambda x: str(x))
+def test_cuda_backend_follows_the_plan(case: str, cap: int | None, granule: int | None, queries: int,
+                                       dtype: torch.dtype, monkeypatch) -> None:
+    _backend_against_reference(case, cap, granule, queries, dtype, torch.device("cuda"), monkeypatch)

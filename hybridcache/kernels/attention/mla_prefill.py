@@ -9,18 +9,29 @@ GEMM of its rows (C x R x H x (Dn + Dv)) and a scratch pool of 2 x H x max(Dn + 
 scratch at Kimi's widths in bf16, and one up-projection's output, 256 MiB, while it is filled).
 
 `plan` splits a step (`ExpandPlan`): its leading decode rows run absorbed (a decode row reads 21x fewer bytes so);
-the other sequences run expanded, in one pass when their contexts total at most the cap, else in windows of key
-positions [j L, (j + 1) L) (`windowed_attention`): each window's keys are expanded in turn into the same scratch
-size, attended with the kernel's partial sums kept (`triton_paged.paged_prefill_partials`), and the windows' sums
-merged (`merge_partials`). L is the largest multiple of `WINDOW_GRANULE` (and of the page) for which
-the window's expansion, sum_i min(context_i, L), fits the cap. A step with more sequences than the cap has room
-for at that granule, or one inside a CUDA graph capture (whose host lengths are not the replay's), runs absorbed.
+the other sequences run expanded when they have queries enough to pay for their expansion (below): in one pass when
+their contexts total at most the cap, else in windows of key positions [j L, (j + 1) L) (`windowed_attention`).
+Each window's keys are expanded in turn into the same scratch size, attended with the kernel's partial sums kept
+(`triton_paged.paged_prefill_partials`), and the windows' sums merged (`merge_partials`). L is the largest
+multiple of `WINDOW_GRANULE` (and of the page) for which the window's expansion, sum_i min(context_i, L), fits the
+cap. A step with more sequences than the cap has room for at that granule, or one inside a CUDA graph capture
+(whose host lengths are not the replay's), runs absorbed.
 
-Worked example (cap 32,768, granule 1,024): query lens (1, 1, 2048), contexts (900, 5000, 70,000): two leading
-decode rows absorbed; the chunk's 70,000 keys exceed the cap, so L = 32,768 and three windows, [0, 32,768),
-[32,768, 65,536) and [65,536, 70,000), each expanded and attended by all 2,048 queries (those at positions before a
-window's first key get m = -inf, l = 0 there). Contexts (20,000, 20,000) of two chunks: sum_i min(c_i, L) <= 32,768
-gives L = 16,384, windows [0, 16,384) and [16,384, 20,000).
+When expanding pays: expanding a context key costs a fixed amount (its up-projection, R x H x (Dn + Dv) = 4.2 M
+multiply-adds at Kimi's widths, and its 24 KiB of scratch written: ~2.3e-8 s a key on an H100 at ~600 TFLOP/s and
+~3 TB/s, an estimate), and saves per (query, key, head) the absorbed kernel's 2.4e-11 s less the expanded kernel's
+2.2e-12 s (a 2,048 chunk over 30,000 keys, one layer: 48.5 against 4.52 ms; docs/bench.md, session 66). So a
+sequence's expansion pays from about 2.3e-8 / (32 heads x 2.2e-11) = 33 queries. The step's sequences after the
+lead expand when their queries per context key, sum q_i c_i / sum c_i, are at least `EXPAND_MIN_QUERIES`; with
+fewer (a short new turn over a long conversation, decode rows among the chunks) they run absorbed, whose time is
+then about the context's bytes read, as a decode step's.
+
+Worked examples (cap 32,768, granule 1,024, 32 queries a key): query lens (1, 1, 2048), contexts (900, 5000,
+70,000): two leading decode rows absorbed; the chunk's 70,000 keys exceed the cap, so L = 32,768 and three windows,
+[0, 32,768), [32,768, 65,536) and [65,536, 70,000), each expanded and attended by all 2,048 queries (those at
+positions before a window's first key get m = -inf, l = 0 there). Two 2,048-token chunks over contexts (20,000,
+20,000): sum_i min(c_i, L) <= 32,768 gives L = 16,384, windows [0, 16,384) and [16,384, 20,000). A 20-token turn
+over a 50,000-token conversation: 20 queries a key, absorbed.
 
 Worked example of one expansion, two sequences with window keys 5 and 17 (pages of 16): the scratch pool has
 ceil(5/16) + ceil(17/16) = 3 pages; sequence 0's keys fill page 0 (rows 5-15 unused), sequence 1's pages 1 and 2;
@@ -44,6 +55,8 @@ from hybridcache.kernels.attention.latent import gather_rows
 EXPAND_MAX_TOKENS = 32_768
 # Windows start at multiples of this (and of the page): a multiple of every prefill tile's block_n
 WINDOW_GRANULE = 1024
+# The queries per context key (sum q_i c_i / sum c_i over the expanded sequences) from which expanding pays
+EXPAND_MIN_QUERIES = 32
 
 
 @dataclass(frozen=True)
@@ -57,11 +70,14 @@ class ExpandPlan:
 
 def plan(query_lens_cpu: Sequence[int], context_lens_cpu: Sequence[int], page: int) -> ExpandPlan | None:
     """The step's `ExpandPlan`, or None when it runs absorbed whole: a decode step (every sequence one token), a
-    step inside a CUDA graph capture, or one whose expanded sequences are too many for a window of the granule."""
+    step inside a CUDA graph capture, one whose sequences after the lead have fewer than `EXPAND_MIN_QUERIES`
+    queries per context key, or one whose expanded sequences are too many for a window of the granule."""
     lead = next((i for i, length in enumerate(query_lens_cpu) if length != 1), len(query_lens_cpu))
     if lead == len(query_lens_cpu) or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return None
-    contexts = context_lens_cpu[lead:]
+    queries, contexts = query_lens_cpu[lead:], context_lens_cpu[lead:]
+    if sum(q * c for q, c in zip(queries, contexts, strict=True)) < EXPAND_MIN_QUERIES * sum(contexts):
+        return None
     if sum(contexts) <= EXPAND_MAX_TOKENS:
         return ExpandPlan(lead, None)
     granule = math.lcm(WINDOW_GRANULE, page)
