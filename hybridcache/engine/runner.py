@@ -719,17 +719,20 @@ class ModelRunner:
         With the MoE block's tiles and sort buckets (`moe/grouped.compile_tiles`), the copy kernels
         (`_compile_copies`) and the run-time counts left unspecialised (`do_not_specialize`), nothing compiles
         while serving (tests/engine/test_no_compile_after_start_up.py). The last forward's logits go through the
-        sampler's greedy argmax (its one variant per vocabulary). Then, when `num_blocks` hold it, 16 tokens
-        over a context of 2,048 (the attention prefill's key splits start there: `triton_paged.prefill_splits`),
-        for engines whose one-sequence steps run eagerly or piecewise."""
+        sampler's greedy argmax (its one variant per vocabulary). Then, when `num_blocks` hold them, 16 and 64
+        tokens over a context of 2,048 (the attention prefill's key splits start there: `triton_paged.prefill_splits`),
+        for engines whose one-sequence steps run eagerly or piecewise: Kimi's MLA runs the first absorbed (fewer
+        than `mla_prefill.EXPAND_MIN_QUERIES` queries a key: the latent kernel's prefill in splits) and the second
+        expanded (the paged prefill's split kernel, which its windows of keys also run)."""
         steps: list[tuple[list[SeqChunk], list[tuple[int, ...]]]] = [
             ([SeqChunk(token_ids=[0, 0], start=0, block_ids=[0], slot=0)], []),
             ([SeqChunk(token_ids=[0], start=2, block_ids=[0], slot=0)], []),
         ]
         long_start = 2048
-        if num_blocks * block_size >= long_start + 16:
-            blocks = list(range(-(-(long_start + 16) // block_size)))
-            steps.append(([SeqChunk(token_ids=[0] * 16, start=long_start, block_ids=blocks, slot=0)], []))
+        for new in (16, 64):
+            if num_blocks * block_size >= long_start + new:
+                blocks = list(range(-(-(long_start + new) // block_size)))
+                steps.append(([SeqChunk(token_ids=[0] * new, start=long_start, block_ids=blocks, slot=0)], []))
         k = self.num_speculative_tokens
         if k and k + 4 <= block_size:  # verify rows: alone (the full verify kernel), beside a prefill (states only)
             verify = SeqChunk(token_ids=[0] * (k + 1), start=3, block_ids=[0], slot=0)

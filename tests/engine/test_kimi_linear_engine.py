@@ -2,7 +2,7 @@
 gated DeltaNet's, its MLA layers' paged KV the latent rows (one kv head), so the pools, the checkpoints and the prefix
 cache need no change; cached and uncached runs compute the same thing, the cache hits at non-block-aligned steps;
 options that do not apply to it (MTP, images, FP8, TP) are clear errors; on CUDA, decode graphs replay what eager
-runs."""
+runs, and serving compiles nothing after start-up."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file
     tiny_model_dir_fixture,
 )
 from .markers import needs_cuda_engine
+from .test_no_compile_after_start_up import compile_recorder  # noqa: F401 - the fixture
 
 # FP8 weights and KV: refused (the shared refusal test checks the model class's `supports_fp8` against it)
 SERVES_FP8 = False
@@ -38,3 +39,18 @@ def test_cuda_graph_decode_equals_eager(model_dir):
     assert llm.engine.runner.graph_batch_sizes == (1, 2, 4, 8, 16, 32)
     graph, eager = replay_and_eager_tokens(llm)
     assert graph == eager
+
+
+@needs_cuda_engine
+def test_serving_compiles_no_kernel_after_start_up(model_dir, compile_recorder):  # noqa: F811
+    """The mixed shapes of tests/engine/test_no_compile_after_start_up.py on Kimi: its MLA prefill takes three kernel
+    paths by the step (`mla_prefill.plan`: absorbed in key splits for a short extension of a long prompt, expanded
+    in one launch, expanded in the split kernel), each compiled at start-up (`ModelRunner._compile_on_pools`)."""
+    from hybridcache import LLM
+
+    from .test_no_compile_after_start_up import serve_mixed_shapes
+
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_num_seqs=32, gpu_memory_utilization=0.2)
+    compile_recorder.seen.clear()  # what start-up compiled is start-up's
+    assert serve_mixed_shapes(llm) > 100
+    assert compile_recorder.seen == [], f"kernels compiled while serving: {compile_recorder.seen}"
