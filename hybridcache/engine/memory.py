@@ -8,7 +8,7 @@ The budget (CUDA; `budget_bytes`):
              - what this engine took since it started (free memory at start - free memory after loading:
                weights, the vision tower, workspaces)
              - the activation peak of a profiling forward of max_num_batched_tokens tokens
-             - the model's workspace beyond that forward (`HybridCausalLM.workspace_bytes`; Kimi's MLA)
+             - the model's workspace beyond that forward (`KernelBackend.workspace_bytes`; Kimi's MLA)
 
 `gpu_memory_utilization` is this engine's share of the device, as in vLLM: what other processes held when it
 started is not counted against it, so two engines at 0.45 share one device. The share must fit in what was free

@@ -25,7 +25,7 @@ from hybridcache.config import EngineConfig
 from hybridcache.engine.memory import MemoryPlan, engine_share, plan_memory, pool_bytes, state_pages
 from hybridcache.engine.runner import ModelRunner, measure_activation_bytes
 from hybridcache.kernels.backend import KernelBackend, get_backend
-from hybridcache.kernels.shapes import ModelShapes
+from hybridcache.kernels.shapes import MLAShapes, ModelShapes
 from hybridcache.layers.parallel import TensorParallel
 from hybridcache.models import ModelConfig, load_model
 from hybridcache.models.mtp import check_mtp_head, load_mtp_head
@@ -94,12 +94,15 @@ def model_shapes(config: ModelConfig) -> ModelShapes:
     no attention head dim is judged for them."""
     attention = bool(config.attention_layer_ids) and config.mla is None
     delta = bool(config.linear_layer_ids)
+    mla = config.mla
     return ModelShapes(
         attention_head_dim=config.attention.head_dim if attention else None,
         rotary_dim=config.attention.rotary_dim if attention else None,
         delta_key_head_dim=config.gated_delta.k_head_dim if delta else None,
         delta_value_head_dim=config.gated_delta.v_head_dim if delta else None,
         num_experts=config.mlp.num_experts,
+        mla=None if mla is None else MLAShapes(config.attention.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim,
+                                               mla.v_head_dim, mla.kv_lora_rank),
     )
 
 
@@ -133,7 +136,8 @@ def build_runner(
         utilization = 0.9 if config.gpu_memory_utilization is None else config.gpu_memory_utilization
         share = engine_share(utilization, torch.cuda.mem_get_info(device)[1], free_at_start)
     backend = get_backend(device, attention=config.attention_backend)  # a bad name fails before the weights load
-    backend.check_model(model_shapes(ModelConfig.from_model_dir(spec.model_path)))  # so does a shape it cannot run
+    shapes = model_shapes(ModelConfig.from_model_dir(spec.model_path))
+    backend.check_model(shapes)  # so does a shape it cannot run
     speculative = config.speculative_config
     if speculative is not None:  # and a backend or a folder MTP cannot run with (no head, a broken one)
         if not getattr(backend, "supports_verify_states", False):
@@ -155,7 +159,7 @@ def build_runner(
     if device.type == "cuda":
         step_tokens = spec.max_step_tokens or config.max_num_batched_tokens
         budget = agree(_cuda_budget(model, backend, config, step_tokens, dtype, state_dtype, device, share,
-                                    free_at_start))
+                                    free_at_start, shapes))
         plan = plan_memory(
             budget, kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
             max_num_seqs=config.max_num_seqs, block_size=config.block_size, min_blocks=blocks_per_seq,
@@ -291,14 +295,15 @@ def _cuda_budget(
     device: torch.device,
     share: int,
     free_at_start: int,
+    shapes: ModelShapes,
 ) -> int:
     """Bytes left for the pools on a CUDA device: the engine's `share` (`memory.engine_share`), less what it took
     since it started (`free_at_start` - free now), the activation peak of one forward of `step_tokens` tokens
-    (measured) and the model's workspace beyond it (`HybridCausalLM.workspace_bytes`: Kimi's expanded MLA prefill
-    over a long context)."""
+    (measured) and the backend's workspace beyond it for this model (`KernelBackend.workspace_bytes`: Kimi's
+    expanded MLA prefill over a long context; `shapes`: the model's, `model_shapes`)."""
     activation = measure_activation_bytes(
         model, backend, num_tokens=step_tokens, block_size=config.block_size,
         kernel_block_size=config.kernel_block_size, dtype=dtype, state_dtype=state_dtype, device=device,
     )
-    workspace = model.workspace_bytes(step_tokens) if hasattr(model, "workspace_bytes") else 0
+    workspace = backend.workspace_bytes(shapes, step_tokens, dtype)
     return share - (free_at_start - torch.cuda.mem_get_info(device)[0]) - activation - workspace

@@ -72,6 +72,12 @@ class KernelBackend(Protocol):
         `batch.metadata` (e.g. decode rows, fresh mask, attention plans, static buffers for graphs)."""
         ...
 
+    def workspace_bytes(self, shapes: ModelShapes, num_tokens: int, dtype: torch.dtype) -> int:
+        """The most bytes a step of up to `num_tokens` tokens of a model of these shapes in `dtype` may hold beyond
+        what a profiling forward of that many fresh tokens shows (0 for most; the engine keeps it out of the pools
+        on CUDA, `rank_runner._cuda_budget`)."""
+        ...
+
     def write_kv(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch) -> None:
         """Write the step's keys and values into one layer's paged pool, in place.
 
@@ -348,6 +354,11 @@ class SharedOps:
 
     def write_kv(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch) -> None:
         self.attention_backend.write_kv(kv_layer, key, value, batch)
+
+    def workspace_bytes(self, shapes: ModelShapes, num_tokens: int, dtype: torch.dtype) -> int:
+        """None beyond the profiled forward (`KernelBackend.workspace_bytes`); `CudaBackend` says otherwise for MLA."""
+        del shapes, num_tokens, dtype
+        return 0
 
     def attention(
         self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,

@@ -188,6 +188,15 @@ class CudaBackend(SharedOps):
         cannot run a model of these shapes (`kernels.shapes.check_cuda_model`)."""
         check_cuda_model(shapes, self.attention_backend)
 
+    def workspace_bytes(self, shapes: ModelShapes, num_tokens: int, dtype: torch.dtype) -> int:
+        """MLA's expanded prefill at its cap (`mla_prefill.workspace_bytes`: its scratch, one up-projection, the
+        padded queries and the fp32 sums), which a fresh profiling forward never reaches; 0 without MLA layers."""
+        m = shapes.mla
+        if m is None:
+            return 0
+        return mla_prefill.workspace_bytes(m.num_heads, m.nope_head_dim, m.shared_head_dim, m.value_head_dim,
+                                           m.latent_rank, num_tokens, dtype)
+
     def supports_cuda_graphs(self, dtype: torch.dtype) -> bool:
         """Whether an all-decode step in `dtype` can be captured in a CUDA graph (no host sync, no host-sized
         work beyond `max_context_len`, which the runner fixes at capture): bf16 only, since the fp32/fp16 MoE

@@ -13,16 +13,30 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class MLAShapes:
+    """Multi-head latent attention's widths (Kimi Linear's `MLAConfig`): heads, each head's key part from the latent
+    (Dn) and shared with every head (Dr), its value (Dv), and the latent's rank (R)."""
+
+    num_heads: int
+    nope_head_dim: int
+    shared_head_dim: int
+    value_head_dim: int
+    latent_rank: int
+
+
+@dataclass(frozen=True)
 class ModelShapes:
     """attention_head_dim / rotary_dim: the full-attention layers' head dim and RoPE'd channels (None without
     attention layers); delta_key_head_dim / delta_value_head_dim: the gated DeltaNet's (None without DeltaNet
-    layers); num_experts: routed experts of the MoE layers (0: dense)."""
+    layers); num_experts: routed experts of the MoE layers (0: dense); mla: the latent attention layers' widths
+    (None without them)."""
 
     attention_head_dim: int | None
     rotary_dim: int | None
     delta_key_head_dim: int | None
     delta_value_head_dim: int | None
     num_experts: int = 0
+    mla: MLAShapes | None = None
 
 
 class UnsupportedModelError(ValueError):

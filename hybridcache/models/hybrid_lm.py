@@ -236,14 +236,6 @@ class HybridCausalLM(nn.Module):
             )
         return MLP(c.hidden_size, mlp.intermediate_size, self.tp)
 
-    def workspace_bytes(self, num_tokens: int) -> int:
-        """Bytes a step of `num_tokens` tokens may need beyond what a profiling forward of that many fresh tokens
-        shows: the most any layer says (`workspace_bytes` of a layer module; Kimi's MLA, whose expanded prefill
-        over a long context holds a scratch pool sized by the context, not the step), 0 for most models. The
-        engine keeps it out of the pools on CUDA (`rank_runner._cuda_budget`)."""
-        return max((module.workspace_bytes(num_tokens) for module in self.modules()
-                    if module is not self and hasattr(module, "workspace_bytes")), default=0)
-
     def shards(self) -> dict[str, Shard]:
         """Parameter name -> the part of the full checkpoint tensor this rank holds, in the order held;
         parameters not named are read whole, as the checkpoint holds them. Unsharded, only the parameters a

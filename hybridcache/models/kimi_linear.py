@@ -66,7 +66,6 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from hybridcache.kernels.attention import mla_prefill
 from hybridcache.layers.linear import module_linear
 from hybridcache.layers.mlp import MLP
 from hybridcache.layers.norm import RMSNorm
@@ -184,13 +183,6 @@ class KimiMLA(nn.Module):
         """One kv head of `mla.cache_head_dim` lanes: a latent row's halves in its keys and values."""
         del state_dtype
         return AttentionSpec(num_kv_heads=1, head_dim=self.mla.cache_head_dim, dtype=dtype)
-
-    def workspace_bytes(self, num_tokens: int) -> int:
-        """The CUDA backend's expanded prefill's most bytes at once for a step of `num_tokens` tokens
-        (`mla_prefill.workspace_bytes`, in kv_b_proj's dtype)."""
-        m = self.mla
-        return mla_prefill.workspace_bytes(self.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
-                                           m.kv_lora_rank, num_tokens, self.kv_b_proj.weight.dtype)
 
     def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, Dn, R] and W_UV [H, Dv, R]: views of kv_b_proj's weight."""

@@ -198,25 +198,29 @@ def test_a_pool_sized_per_sequence_holds_the_speculative_lookahead(tmp_path):
     assert len(outputs[0].outputs[0].token_ids) == 18 and tight.scheduler.num_preemptions == 0
 
 
-def test_cuda_budget_keeps_the_models_workspace_out(monkeypatch):
-    """The pools' bytes on CUDA: the share, less what loading took, the measured activation peak and the model's
-    workspace beyond it (`HybridCausalLM.workspace_bytes`: Kimi's expanded MLA prefill at its cap), asked for the
-    step's tokens. The measurement and the device's free memory are stood in for: only the arithmetic runs here."""
+def test_cuda_budget_keeps_the_backends_workspace_out(monkeypatch):
+    """The pools' bytes on CUDA: the share, less what loading took, the measured activation peak and the backend's
+    workspace beyond it for the model's shapes (`KernelBackend.workspace_bytes`: Kimi's expanded MLA prefill at its
+    cap), asked for the step's tokens. The measurement and the device's free memory are stood in for: only the
+    arithmetic runs here."""
     from types import SimpleNamespace
 
     from hybridcache.engine import rank_runner
+    from hybridcache.kernels.backend import ReferenceBackend
+    from hybridcache.kernels.shapes import ModelShapes
 
-    asked: list[int] = []
+    asked: list[tuple] = []
 
-    class Model:
-        def workspace_bytes(self, num_tokens: int) -> int:
-            asked.append(num_tokens)
+    class Backend:
+        def workspace_bytes(self, shapes, num_tokens: int, dtype: torch.dtype) -> int:
+            asked.append((shapes, num_tokens, dtype))
             return 300
 
     monkeypatch.setattr(rank_runner, "measure_activation_bytes", lambda *args, **kwargs: 1_000)
     monkeypatch.setattr(rank_runner.torch.cuda, "mem_get_info", lambda device: (60_000, 100_000))
     config = SimpleNamespace(block_size=16, kernel_block_size=16)
-    args = (None, config, 512, torch.bfloat16, torch.float32, torch.device("cpu"))
-    budget = rank_runner._cuda_budget(Model(), *args, share=50_000, free_at_start=80_000)
-    assert budget == 50_000 - (80_000 - 60_000) - 1_000 - 300 and asked == [512]
-    assert rank_runner._cuda_budget(object(), *args, share=50_000, free_at_start=80_000) == 50_000 - 20_000 - 1_000
+    shapes = ModelShapes(None, None, 128, 128)
+    rest = (config, 512, torch.bfloat16, torch.float32, torch.device("cpu"), 50_000, 80_000, shapes)
+    assert rank_runner._cuda_budget(None, Backend(), *rest) == 50_000 - (80_000 - 60_000) - 1_000 - 300
+    assert asked == [(shapes, 512, torch.bfloat16)]
+    assert rank_runner._cuda_budget(None, ReferenceBackend(), *rest) == 50_000 - 20_000 - 1_000

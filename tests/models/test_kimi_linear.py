@@ -170,19 +170,26 @@ def test_the_released_models_kv_is_the_latent():
     assert cost.attn_flops_per_token_pair == 2 * 7 * 32 * (576 + 512)
 
 
-def test_the_released_models_workspace_is_its_expanded_prefill_at_the_cap():
+def test_the_released_models_cuda_workspace_is_its_expanded_prefill_at_the_cap():
     """What the engine keeps out of the pools on CUDA for Kimi-Linear-48B in bf16 at 8,192 tokens a step: one MLA
     layer's expanded prefill at the cap (`mla_prefill.workspace_bytes`' worked example, 1.92 GB), growing with the
-    step; the tiny Kimi's at its own widths and dtype; a model without MLA keeps none."""
-    from hybridcache.kernels.attention import mla_prefill
+    step; none on the reference backend, nor for a model without MLA."""
+    pytest.importorskip("triton")
+    from hybridcache.engine.rank_runner import model_shapes
+    from hybridcache.kernels.attention.reference_backend import ReferenceAttention
+    from hybridcache.kernels.backend import ReferenceBackend
+    from hybridcache.kernels.cuda_backend import CudaBackend
+    from hybridcache.kernels.shapes import MLAShapes
 
-    with torch.device("meta"):
-        model = get_model_class("KimiLinearForCausalLM")(released_kimi_config()).to(torch.bfloat16)
-    assert model.workspace_bytes(8192) == 1_916_796_928
-    assert model.workspace_bytes(2048) < model.workspace_bytes(8192)
-    tiny = make_kimi_pair("moe-groups").ours
-    assert tiny.workspace_bytes(64) == mla_prefill.workspace_bytes(4, 16, 8, 20, 24, 64, torch.float32) > 0
-    assert make_pair("qwen3_next").ours.workspace_bytes(8192) == 0
+    shapes = model_shapes(released_kimi_config())
+    assert shapes.mla == MLAShapes(num_heads=32, nope_head_dim=128, shared_head_dim=64, value_head_dim=128,
+                                   latent_rank=512)
+    cuda = CudaBackend(ReferenceAttention())
+    assert cuda.workspace_bytes(shapes, 8192, torch.bfloat16) == 1_916_796_928
+    assert cuda.workspace_bytes(shapes, 2048, torch.bfloat16) < 1_916_796_928
+    assert ReferenceBackend().workspace_bytes(shapes, 8192, torch.bfloat16) == 0
+    qwen = model_shapes(ModelConfig.from_dict(make_pair("qwen3_next").hf_config.to_dict()))
+    assert qwen.mla is None and cuda.workspace_bytes(qwen, 8192, torch.bfloat16) == 0
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -90,7 +90,7 @@ def plan(query_lens_cpu: Sequence[int], context_lens_cpu: Sequence[int], page: i
 def workspace_bytes(num_heads: int, nope: int, shared_width: int, value_dim: int, rank: int, num_tokens: int,
                     dtype: torch.dtype) -> int:
     """The most one layer's expanded MLA holds at once for a step of up to `num_tokens` queries (an upper figure;
-    the engine keeps it out of the pools on CUDA, `HybridCausalLM.workspace_bytes`): an expansion at the cap (its
+    the engine keeps it out of the pools on CUDA, `CudaBackend.workspace_bytes`): an expansion at the cap (its
     gathered latent rows, the scratch pool, one up-projection's output), the padded query and its concatenation,
     and in windows the fp32 running output, a window's partials and their sum.
 

@@ -385,19 +385,21 @@ def paged_prefill_attention(
     out = _output(q, out)
     if num_tokens == 0:
         return out
-    cfg, geometry = _prefill_geometry(q, kv_pool, config)
+    cfg = _prefill_config(q, config)
     table = make_chunk_indices(cu_seqlens, query_lens_cpu, cfg.block_m) if chunk_indices is None else chunk_indices
     if num_splits <= 1:
         _prefill_kernel[(table.shape[0], num_heads)](
             q, kv_pool, out, block_tables, cu_seqlens, context_lens, table, scale * _LOG2E * kv_scales[0],
             kv_scales[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0), **geometry,
+            kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0),
+            **_prefill_geometry(q, kv_pool, cfg),
         )
         return out
-    partial, ml = _split_partials(q, kv_pool, block_tables, cu_seqlens, context_lens, table, geometry,
+    partial, ml = _split_partials(q, kv_pool, block_tables, cu_seqlens, context_lens, table, cfg,
                                   scale * _LOG2E * kv_scales[0], kv_scales[1], num_splits, (0, _NO_KEY_LIMIT))
     _decode_merge_kernel[(num_tokens, num_heads)](
-        partial, ml, out, out.stride(0), out.stride(1), num_heads, num_splits, D=head_dim, D_PAD=geometry["D_PAD"],
+        partial, ml, out, out.stride(0), out.stride(1), num_heads, num_splits, D=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_S=_MERGE_BLOCK_S, **pdl.options(partial),
     )
     return out
@@ -425,27 +427,27 @@ def paged_prefill_partials(
     and its (max score, sum of exp2(score - max)) in log2 units. A row that sees no key there has m = -inf, l = 0.
     `mla_prefill.merge_partials` folds windows together (MLA's windowed prefill)."""
     _check(q, kv_pool)
-    cfg, geometry = _prefill_geometry(q, kv_pool, config)
+    cfg = _prefill_config(q, config)
     if key_window[0] % cfg.block_n:
         raise ValueError(f"the key window starts at {key_window[0]}, not a multiple of block_n {cfg.block_n}")
     table = make_chunk_indices(cu_seqlens, query_lens_cpu, cfg.block_m)
-    return _split_partials(q, kv_pool, block_tables, cu_seqlens, context_lens, table, geometry, scale * _LOG2E, 1.0,
+    return _split_partials(q, kv_pool, block_tables, cu_seqlens, context_lens, table, cfg, scale * _LOG2E, 1.0,
                            num_splits, key_window)
 
 
-def _prefill_geometry(q: torch.Tensor, kv_pool: torch.Tensor,
-                      config: PrefillConfig | None) -> tuple[PrefillConfig, dict[str, object]]:
-    """The prefill kernels' tiles (`config`, or the default for q's padded head dim and dtype) and their
-    compile-time arguments."""
-    head_dim = q.shape[-1]
-    d_pad = triton.next_power_of_2(head_dim)
-    cfg = config or default_prefill_config(d_pad, q.dtype)
-    return cfg, dict(GROUP=q.shape[1] // kv_pool.shape[3], PAGE=kv_pool.shape[2], D=head_dim, D_PAD=d_pad,
-                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype),
-                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+def _prefill_config(q: torch.Tensor, config: PrefillConfig | None) -> PrefillConfig:
+    """The prefill kernels' tiles: `config`, or the default for q's head dim rounded up to a power of two and dtype."""
+    return config or default_prefill_config(triton.next_power_of_2(q.shape[-1]), q.dtype)
 
 
-def _split_partials(q, kv_pool, block_tables, cu_seqlens, context_lens, table, geometry, qk_scale, v_scale,
+def _prefill_geometry(q: torch.Tensor, kv_pool: torch.Tensor, cfg: PrefillConfig) -> dict:
+    """The prefill kernels' compile-time arguments and launch options for these tiles."""
+    return dict(GROUP=q.shape[1] // kv_pool.shape[3], PAGE=kv_pool.shape[2], D=q.shape[-1],
+                D_PAD=triton.next_power_of_2(q.shape[-1]), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                PRECISION=_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _split_partials(q, kv_pool, block_tables, cu_seqlens, context_lens, table, cfg, qk_scale, v_scale,
                     num_splits, key_window) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_heads, head_dim = q.shape
     partial = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -453,7 +455,8 @@ def _split_partials(q, kv_pool, block_tables, cu_seqlens, context_lens, table, g
     _prefill_split_kernel[(table.shape[0], num_heads, num_splits)](
         q, kv_pool, partial, ml, block_tables, cu_seqlens, context_lens, table, qk_scale, v_scale, num_splits,
         key_window[0], min(key_window[1], _NO_KEY_LIMIT), q.stride(0), q.stride(1),
-        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0), **geometry,
+        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0),
+        **_prefill_geometry(q, kv_pool, cfg),
     )
     return partial, ml
 
