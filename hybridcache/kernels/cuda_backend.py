@@ -247,7 +247,8 @@ class CudaBackend(SharedOps):
         (`CudaMetadata.host_lengths`) run absorbed whole."""
         self.write_kv(kv_layer, *latent.split_rows(rows), batch)
         lens, contexts, metadata = batch.query_lens_cpu, batch.context_lens_cpu, self.step_metadata(batch)
-        plan = mla_prefill.plan(lens, contexts, kv_layer.shape[2]) if metadata.host_lengths else None
+        expandable = metadata.host_lengths and not metadata.all_decode
+        plan = mla_prefill.plan(lens, contexts, kv_layer.shape[2]) if expandable else None
         if plan is None:
             return self._mla_absorbed(q_nope, q_shared, w_uk, w_uv, kv_layer, batch.block_tables, batch.cu_seqlens,
                                       batch.context_lens, lens, metadata.max_context_len, scale)
