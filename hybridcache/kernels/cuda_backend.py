@@ -285,7 +285,7 @@ class CudaBackend(SharedOps):
         window: int | None, scale: float,
     ) -> torch.Tensor:
         """MLA expanded (`mla_prefill`): one pass over the contexts (window None) or windows of `window` keys."""
-        width = max(w_uk.shape[1] + q_shared.shape[-1], w_uv.shape[1])
+        width = mla_prefill.scratch_width(w_uk.shape[1], q_shared.shape[-1], w_uv.shape[1])
         dtype = q_nope.dtype
         config = triton_paged.default_prefill_config(width, dtype)
         blocks = sum(-(-n // config.block_m) for n in lens)

@@ -87,6 +87,11 @@ def plan(query_lens_cpu: Sequence[int], context_lens_cpu: Sequence[int], page: i
     return None
 
 
+def scratch_width(nope: int, shared_width: int, value_dim: int) -> int:
+    """The scratch pool's head dim: keys [k_nope | k_shared] (Dn + Dr) and values (Dv), both padded to the wider."""
+    return max(nope + shared_width, value_dim)
+
+
 def workspace_bytes(num_heads: int, nope: int, shared_width: int, value_dim: int, rank: int, num_tokens: int,
                     dtype: torch.dtype) -> int:
     """The most one layer's expanded MLA holds at once for a step of up to `num_tokens` queries (an upper figure;
@@ -99,7 +104,7 @@ def workspace_bytes(num_heads: int, nope: int, shared_width: int, value_dim: int
     2 B = 268 MB, queries 2 x 8,192 x 32 x 192 x 2 B = 201 MB, fp32 sums 3 x 8,192 x 32 x 192 x 4 B = 604 MB:
     1.92 GB."""
     size = torch.empty((), dtype=dtype).element_size()
-    width = max(nope + shared_width, value_dim)
+    width = scratch_width(nope, shared_width, value_dim)
     cap = EXPAND_MAX_TOKENS
     expansion = cap * (rank + shared_width) * size + 2 * cap * num_heads * width * size
     expansion += cap * num_heads * max(nope, value_dim) * size
@@ -118,7 +123,7 @@ def expand_context(
     ceil(E / 2)]; w_uk [H, Dn, R], w_uv [H, Dv, R]; shared_width: Dr (E = R + Dr); lo a multiple of the page."""
     heads, nope, rank = w_uk.shape
     value_dim = w_uv.shape[1]
-    width = max(nope + shared_width, value_dim)
+    width = scratch_width(nope, shared_width, value_dim)
     page = kv_pool.shape[2]
     lo, hi = window
     if lo % page:
@@ -189,10 +194,10 @@ def windowed_attention(
     positions (module docstring): per window, `expand_context` then `partials(query, pool, table, (lo, hi))` (the
     kernel's unmerged sums of those keys: `triton_paged.paged_prefill_partials`), folded by `merge_partials`."""
     running = None
+    query = padded_query(q_nope, q_shared, scratch_width(w_uk.shape[1], q_shared.shape[-1], w_uv.shape[1]))
     for lo in range(0, max(context_lens_cpu), window):
         pool, table = expand_context(kv_pool, w_uk, w_uv, block_tables, context_lens_cpu, q_shared.shape[-1],
                                      (lo, lo + window))
-        query = padded_query(q_nope, q_shared, pool.shape[-1])
         running = merge_partials(running, *partials(query, pool, table, (lo, lo + window)))
         del pool, table
     acc, _, sums = running
