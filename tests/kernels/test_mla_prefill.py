@@ -23,6 +23,7 @@ import torch
 
 from hybridcache.kernels.attention import latent, mla_prefill
 from hybridcache.kernels.attention import reference as attention_ref
+from hybridcache.kernels.attention.triton_paged import default_prefill_config
 from tests.kernels.cuda_checks import error_stats
 from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
 from tests.kernels.test_cuda_kernels import OURS, _interpreter_runs_our_kernels, assert_within
@@ -269,6 +270,7 @@ BACKEND_PLANS = {
     ("mixed", None, None, 13): (None, (31, 0)),  # (20 x 20 + 9 x 49) / 69 = 12.2 queries a key: absorbed
     ("prefill", 96, 32, 1): (mla_prefill.ExpandPlan(0, 32), (0, 5)),  # 17, 155, 61: sum min(c, 32) = 81 <= 96
     ("prefill", 64, 32, 1): (None, (62, 0)),  # 81 > 64: absorbed
+    ("prefill", 160, 64, 1): (mla_prefill.ExpandPlan(0, 64), (0, 3)),  # 17 + 64 + 61 = 142 <= 160: windows of 64
     ("decode", None, None, 1): (None, (4, 0)),
 }
 
@@ -334,9 +336,25 @@ def test_interpreted_backend_follows_the_plan(case: str, cap: int | None, granul
     _backend_against_reference(case, cap, granule, queries, torch.float32, torch.device("cpu"), monkeypatch)
 
 
+# The CUDA cases: windows must be whole key blocks of the dtype's prefill tiles (bf16's block_n is 64, fp32's 32)
+CUDA_PLANS = [(dtype, *key) for dtype in (torch.bfloat16, torch.float32) for key in BACKEND_PLANS
+              if key[2] is None or key[2] % default_prefill_config(64, dtype).block_n == 0]
+
+
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize(("case", "cap", "granule", "queries"), list(BACKEND_PLANS), ids=lambda x: str(x))
+@pytest.mark.parametrize(("dtype", "case", "cap", "granule", "queries"), CUDA_PLANS, ids=lambda x: str(x))
 def test_cuda_backend_follows_the_plan(case: str, cap: int | None, granule: int | None, queries: int,
                                        dtype: torch.dtype, monkeypatch) -> None:
     _backend_against_reference(case, cap, granule, queries, dtype, torch.device("cuda"), monkeypatch)
+
+
+def test_a_key_window_is_whole_key_blocks():
+    """A window that ends inside a key block would have the kernel read that block's keys past the window, and
+    block-table columns the window's table does not have: refused before the launch."""
+    from hybridcache.kernels.attention import triton_paged
+
+    q, pool = torch.zeros(4, 2, 32), torch.zeros(2, 3, 16, 2, 32)
+    table, cu, ctx = torch.zeros(1, 3, dtype=torch.int32), torch.tensor([0, 4]), torch.tensor([40])
+    for window in ((0, 48), (16, 64)):
+        with pytest.raises(ValueError, match="must start and end on multiples of block_n 32"):
+            triton_paged.paged_prefill_partials(q, pool, table, cu, ctx, [4], scale=1.0, key_window=window)

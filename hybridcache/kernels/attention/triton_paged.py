@@ -422,14 +422,16 @@ def paged_prefill_partials(
     config: PrefillConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`paged_prefill_attention`'s arguments (q and the pool in one dtype), the keys at positions in `key_window`
-    [lo, hi) only (lo a multiple of the config's block_n; the block table is read only for pages there), left
+    [lo, hi) only (lo and hi multiples of the config's block_n: the kernel reads whole key blocks, and the block
+    table only for pages inside the window), left
     unmerged: (acc [T, Hq, num_splits, D], ml [T, Hq, num_splits, 2]) in fp32, each split's unnormalised output
     and its (max score, sum of exp2(score - max)) in log2 units. A row that sees no key there has m = -inf, l = 0.
     `mla_prefill.merge_partials` folds windows together (MLA's windowed prefill)."""
     _check(q, kv_pool)
     cfg = _prefill_config(q, config)
-    if key_window[0] % cfg.block_n:
-        raise ValueError(f"the key window starts at {key_window[0]}, not a multiple of block_n {cfg.block_n}")
+    if key_window[0] % cfg.block_n or key_window[1] % cfg.block_n:
+        raise ValueError(f"the key window [{key_window[0]}, {key_window[1]}) must start and end on multiples of "
+                         f"block_n {cfg.block_n}")
     table = make_chunk_indices(cu_seqlens, query_lens_cpu, cfg.block_m)
     return _split_partials(q, kv_pool, block_tables, cu_seqlens, context_lens, table, cfg, scale * _LOG2E, 1.0,
                            num_splits, key_window)
