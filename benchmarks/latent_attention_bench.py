@@ -47,6 +47,7 @@ CASES = [
     ("prefill chunk 2,048 over 100,000", (2048,), (100000,)),
     ("prefill chunk 32 over 30,000", (32,), (30000,)),
     ("prefill chunk 128 over 30,000", (128,), (30000,)),
+    ("prefill chunk 200 over 16,000", (200,), (16000,)),  # phase C's + 200 request
     ("mixed 32 decodes x 8,192 + chunk 2,048 over 4,000", (1,) * 32 + (2048,), (8191,) * 32 + (4000,)),
     ("prefill 16 x 1,024 fresh", (1024,) * 16, (0,) * 16),
 ]
