@@ -719,7 +719,7 @@ class ModelRunner:
         With the MoE block's tiles and sort buckets (`moe/grouped.compile_tiles`), the copy kernels
         (`_compile_copies`) and the run-time counts left unspecialised (`do_not_specialize`), nothing compiles
         while serving (tests/engine/test_no_compile_after_start_up.py). The last forward's logits go through the
-        sampler's greedy argmax (its one variant per vocabulary). Then, when `num_blocks` hold them, 16 and 64
+        sampler's greedy argmax (its one variant per vocabulary). Then, when `num_blocks` hold them, 16 and 128
         tokens over a context of 2,048 (the attention prefill's key splits start there: `triton_paged.prefill_splits`),
         for engines whose one-sequence steps run eagerly or piecewise: Kimi's MLA runs the first absorbed (fewer
         than `mla_prefill.EXPAND_MIN_QUERIES` queries a key: the latent kernel's prefill in splits) and the second
@@ -729,7 +729,7 @@ class ModelRunner:
             ([SeqChunk(token_ids=[0], start=2, block_ids=[0], slot=0)], []),
         ]
         long_start = 2048
-        for new in (16, 64):
+        for new in (16, 128):
             if num_blocks * block_size >= long_start + new:
                 blocks = list(range(-(-(long_start + new) // block_size)))
                 steps.append(([SeqChunk(token_ids=[0] * new, start=long_start, block_ids=blocks, slot=0)], []))
