@@ -60,8 +60,8 @@ def latent_config(dtype: torch.dtype, decode_heads: int | None = None) -> Latent
     two, at least 16 and at most the tile's (Kimi's 32 heads: 32 rows)."""
     if dtype == torch.float32:
         cfg = LatentConfig(block_m=32, block_n=32, block_e=32, block_v=64, num_warps=4)
-    elif decode_heads is None:  # (64 rows x 64 keys x 128 lanes is over a Hopper program's shared memory)
-        return LatentConfig(block_m=64, block_n=32, block_e=64, block_v=256, num_warps=8)
+    elif decode_heads is None:  # the fastest of session 66's and 68's sweeps at every prefill shape (docs/bench.md)
+        return LatentConfig(block_m=32, block_n=64, block_e=32, block_v=512, num_warps=8)
     else:  # every output lane in one program: the scores once per row block (docs/bench.md, session 66's sweep)
         cfg = LatentConfig(block_m=32, block_n=32, block_e=64, block_v=512, num_warps=8)
     if decode_heads is None:
