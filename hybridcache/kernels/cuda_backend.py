@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -165,6 +166,15 @@ def _metadata(batch: ForwardBatch) -> CudaMetadata:
     return batch.metadata
 
 
+def keep_autotuning() -> None:
+    """Have Triton keep autotuning results in its cache folder (`TRITON_CACHE_AUTOTUNING=1`, unless the environment
+    names a value), so that a restart with the folder kept loads fla's tuned configs instead of timing every
+    candidate again (fla's KDA kernels time theirs for minutes at Kimi's widths). Triton reads the setting when an
+    autotuned kernel is defined, so this runs before the backend's first fla import; the cached entry is keyed by
+    the kernel, its candidates, the tuning key and the GPU target."""
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+
+
 class CudaBackend(SharedOps):
     """`KernelBackend` on CUDA (see the module docstring). Holds, per sparse MoE block, its experts' weights
     stacked for the grouped GEMM (the experts' parameters are re-pointed at the stack: one copy in memory)."""
@@ -176,6 +186,8 @@ class CudaBackend(SharedOps):
         kernel (`gated_delta_rule`); False keeps it on the torch reference (`per_channel_delta_scan`)."""
         self.attention_backend = attention_backend
         self.kda_kernels = kda_kernels
+        # fla's autotuned kernels keep their timings in the Triton cache (`keep_autotuning`)
+        keep_autotuning()
         self._experts: weakref.WeakKeyDictionary[nn.Module, ExpertWeights | Fp8ExpertWeights] = (
             weakref.WeakKeyDictionary()
         )
