@@ -26,7 +26,7 @@ from hybridcache.engine.memory import MemoryPlan, engine_share, plan_memory, poo
 from hybridcache.engine.runner import ModelRunner, measure_activation_bytes
 from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.kernels.shapes import MLAShapes, ModelShapes
-from hybridcache.layers.parallel import TensorParallel
+from hybridcache.layers.parallel import UNSHARDED, TensorParallel
 from hybridcache.models import ModelConfig, load_model
 from hybridcache.models.mtp import check_mtp_head, load_mtp_head
 from hybridcache.scheduler.scheduler import blocks_per_sequence
@@ -88,10 +88,10 @@ def device_free_bytes(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def model_shapes(config: ModelConfig) -> ModelShapes:
-    """The dims of `config` that kernel backends specialise on (what `KernelBackend.check_model` judges). MLA layers
-    (Kimi Linear) run `mla_attention`, whose latent kernel takes rows of any width (its expanded prefill: 192):
-    no attention head dim is judged for them."""
+def model_shapes(config: ModelConfig, tp: TensorParallel = UNSHARDED) -> ModelShapes:
+    """The dims of `config` that kernel backends specialise on (what `KernelBackend.check_model` judges), as rank
+    `tp` holds them. MLA layers (Kimi Linear) run `mla_attention`, whose latent kernel takes rows of any width (its
+    expanded prefill: 192): no attention head dim is judged for them; their heads are the rank's."""
     attention = bool(config.attention_layer_ids) and config.mla is None
     delta = bool(config.linear_layer_ids)
     mla = config.mla
@@ -101,8 +101,8 @@ def model_shapes(config: ModelConfig) -> ModelShapes:
         delta_key_head_dim=config.gated_delta.k_head_dim if delta else None,
         delta_value_head_dim=config.gated_delta.v_head_dim if delta else None,
         num_experts=config.mlp.num_experts,
-        mla=None if mla is None else MLAShapes(config.attention.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim,
-                                               mla.v_head_dim, mla.kv_lora_rank),
+        mla=None if mla is None else MLAShapes(config.attention.num_heads // tp.size, mla.qk_nope_head_dim,
+                                               mla.qk_rope_head_dim, mla.v_head_dim, mla.kv_lora_rank),
     )
 
 
@@ -136,7 +136,7 @@ def build_runner(
         utilization = 0.9 if config.gpu_memory_utilization is None else config.gpu_memory_utilization
         share = engine_share(utilization, torch.cuda.mem_get_info(device)[1], free_at_start)
     backend = get_backend(device, attention=config.attention_backend)  # a bad name fails before the weights load
-    shapes = model_shapes(ModelConfig.from_model_dir(spec.model_path))
+    shapes = model_shapes(ModelConfig.from_model_dir(spec.model_path), tp)
     backend.check_model(shapes)  # so does a shape it cannot run
     speculative = config.speculative_config
     if speculative is not None:  # and a backend or a folder MTP cannot run with (no head, a broken one)

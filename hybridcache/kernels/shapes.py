@@ -14,8 +14,9 @@ from typing import Any
 
 @dataclass(frozen=True)
 class MLAShapes:
-    """Multi-head latent attention's widths (Kimi Linear's `MLAConfig`): heads, each head's key part from the latent
-    (Dn) and shared with every head (Dr), its value (Dv), and the latent's rank (R)."""
+    """Multi-head latent attention's widths (Kimi Linear's `MLAConfig`): a rank's heads (all of them on one rank),
+    each head's key part from the latent (Dn) and shared with every head (Dr), its value (Dv), and the latent's
+    rank (R)."""
 
     num_heads: int
     nope_head_dim: int

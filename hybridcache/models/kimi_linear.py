@@ -53,7 +53,13 @@ step instead up-projects its contexts (in windows of keys past 32,768 tokens) an
 take E values (1,152 B in bf16 for the released models, R = 512, Dr = 64) against the expanded 2 x H x 192
 (24 KiB).
 
-Not supported (a ValueError says so): tensor parallelism, FP8 weights or KV, MTP, MLA with rotary embedding, images.
+Tensor parallel (`tp`): KDA and MLA split by head (a KDA head's q / k / v rows, conv channels, decay and gate rows,
+A_log and b_proj rows; an MLA head's query and kv_b_proj rows), o_proj by its input columns, all-reduced; the
+low-rank f_a / g_a projections, the norms, MLA's kv_a_proj_with_mqa and latent norm are replicated, so every rank
+writes the same latent rows into its own paged KV. Every MLP and expert splits its intermediate dim, the router is
+replicated, and the MoE block all-reduces routed and shared partial sums once (`layers/mlp.py`).
+
+Not supported (a ValueError says so): FP8 weights or KV, MTP, MLA with rotary embedding, images.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ from torch import nn
 from hybridcache.layers.linear import module_linear
 from hybridcache.layers.mlp import MLP
 from hybridcache.layers.norm import RMSNorm
+from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import LayerKind, MLAConfig, ModelConfig
 from hybridcache.models.hybrid_lm import DecoderLayer, HybridCausalLM
@@ -101,8 +108,13 @@ class KimiDeltaAttention(nn.Module):
     """The KDA layer (module docstring): hidden [T, hidden] -> [T, hidden]; state `conv` [slots, 3*H*K, W-1] (model
     dtype) and `ssm` [slots, H, K, K] (state dtype), sequence i in row batch.state_slots[i], updated in place."""
 
-    def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, conv_kernel_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, conv_kernel_size: int, eps: float,
+                 tp: TensorParallel = UNSHARDED) -> None:
         super().__init__()
+        self.tp = tp
+        self.head_range = tp.split(num_heads, "Kimi Delta Attention heads (linear_attn_config's num_heads)")
+        self.total_width = num_heads * head_dim
+        num_heads = self.head_range[1] - self.head_range[0]
         self.num_heads, self.head_dim = num_heads, head_dim
         width = num_heads * head_dim
         self.q_proj = nn.Linear(hidden_size, width, bias=False)
@@ -124,6 +136,21 @@ class KimiDeltaAttention(nn.Module):
     def input_projection(self) -> nn.Linear:
         return self.q_proj
 
+    def shards(self) -> dict[str, Shard]:
+        """Parameter name -> this rank's part of the full parameter ({} unsharded): its heads' rows, A_log's heads
+        (dim 2), o_proj's columns."""
+        if self.tp.size == 1:
+            return {}
+        start, stop = self.head_range
+        k, total = self.head_dim, self.total_width
+        channels = rows((k * start, k * stop))
+        out = {f"{name}.weight": channels for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj")}
+        out.update({"conv1d.weight": rows(*((part * total + k * start, part * total + k * stop)
+                                            for part in range(3))),
+                    "dt_bias": channels, "A_log": Shard(2, ((start, stop),)), "b_proj.weight": rows((start, stop)),
+                    "o_proj.weight": columns((k * start, k * stop))})
+        return out
+
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> RecurrentSpec:
         """conv: the last W-1 pre-convolution inputs [3*H*K, W-1] (model dtype); ssm: S [H, K, K] (state dtype)."""
         return conv_ssm_spec(self.conv1d, (self.num_heads, self.head_dim, self.head_dim), dtype, state_dtype)
@@ -142,7 +169,7 @@ class KimiDeltaAttention(nn.Module):
         core = step.core(functools.partial(self._recur, state), mixed, g, beta)
         gate = module_linear(self.g_b_proj, module_linear(self.g_a_proj, hidden))
         out = self.o_norm(core, gate.view(num_tokens, self.num_heads, self.head_dim))
-        return module_linear(self.o_proj, out.reshape(num_tokens, -1))
+        return self.tp.all_reduce(module_linear(self.o_proj, out.reshape(num_tokens, -1)))
 
     def _recur(self, state: Mapping[str, torch.Tensor], step: StepContext, mixed: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor) -> torch.Tensor:
@@ -158,8 +185,11 @@ class KimiMLA(nn.Module):
     """Multi-head latent attention without rotary embedding over a paged KV of latent rows, `kv_b_proj` absorbed
     (module docstring); its latent norms at `MLA_LATENT_NORM_EPS`."""
 
-    def __init__(self, hidden_size: int, num_heads: int, mla: MLAConfig) -> None:
+    def __init__(self, hidden_size: int, num_heads: int, mla: MLAConfig, tp: TensorParallel = UNSHARDED) -> None:
         super().__init__()
+        self.tp = tp
+        self.head_range = tp.split(num_heads, "attention heads (num_attention_heads)")
+        num_heads = self.head_range[1] - self.head_range[0]
         self.num_heads, self.mla = num_heads, mla
         qk = mla.qk_head_dim
         if mla.q_lora_rank is None:
@@ -178,6 +208,18 @@ class KimiMLA(nn.Module):
     @property
     def input_projection(self) -> nn.Linear:
         return self.kv_a_proj_with_mqa
+
+    def shards(self) -> dict[str, Shard]:
+        """Parameter name -> this rank's part of the full parameter ({} unsharded): its heads' query and kv_b_proj
+        rows, o_proj's columns; the latent projection and norms are replicated."""
+        if self.tp.size == 1:
+            return {}
+        (start, stop), m = self.head_range, self.mla
+        query = rows((m.qk_head_dim * start, m.qk_head_dim * stop))
+        up = m.qk_nope_head_dim + m.v_head_dim
+        return {("q_proj.weight" if m.q_lora_rank is None else "q_b_proj.weight"): query,
+                "kv_b_proj.weight": rows((up * start, up * stop)),
+                "o_proj.weight": columns((m.v_head_dim * start, m.v_head_dim * stop))}
 
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> AttentionSpec:
         """One kv head of `mla.cache_head_dim` lanes: a latent row's halves in its keys and values."""
@@ -199,22 +241,26 @@ class KimiMLA(nn.Module):
         q_nope, q_shared = query.view(n, heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
         latent, k_shared = module_linear(self.kv_a_proj_with_mqa, hidden).split([m.kv_lora_rank, m.qk_rope_head_dim],
                                                                                 dim=-1)
-        rows = torch.cat([self.kv_a_layernorm(latent), k_shared], dim=-1)  # [T, E]
-        attn = step.core(functools.partial(self._attend, kv_layer), q_nope, q_shared, rows)  # [T, H, Dv]
-        return module_linear(self.o_proj, attn.reshape(n, -1))
+        latent_rows = torch.cat([self.kv_a_layernorm(latent), k_shared], dim=-1)  # [T, E]
+        attn = step.core(functools.partial(self._attend, kv_layer), q_nope, q_shared, latent_rows)  # [T, H, Dv]
+        return self.tp.all_reduce(module_linear(self.o_proj, attn.reshape(n, -1)))
 
     def _attend(self, kv_layer: torch.Tensor, step: StepContext, q_nope: torch.Tensor, q_shared: torch.Tensor,
-                rows: torch.Tensor) -> torch.Tensor:
-        return step.backend.mla_attention(q_nope, q_shared, rows, *self._up_projections(), kv_layer, step.batch,
-                                          scale=self.mla.qk_head_dim**-0.5)
+                latent_rows: torch.Tensor) -> torch.Tensor:
+        return step.backend.mla_attention(q_nope, q_shared, latent_rows, *self._up_projections(), kv_layer,
+                                          step.batch, scale=self.mla.qk_head_dim**-0.5)
 
 
 class KimiExpert(nn.Module):
     """One routed expert under the checkpoints' names w1 (gate), w3 (up), w2 (down); `gate_proj`, `up_proj` and
     `down_proj` name them as `backend.moe` reads an expert."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel = UNSHARDED) -> None:
         super().__init__()
+        self.tp = tp
+        start, stop = tp.split(intermediate_size, "the expert width (config.json's moe_intermediate_size)")
+        self.inner = rows((start, stop)), columns((start, stop))
+        intermediate_size = stop - start
         self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -231,45 +277,54 @@ class KimiExpert(nn.Module):
     def down_proj(self) -> nn.Linear:
         return self.w2
 
+    def shards(self) -> dict[str, Shard]:
+        """Parameter name -> this rank's part ({} unsharded): w1 / w3 rows and w2 columns of its intermediate."""
+        if self.tp.size == 1:
+            return {}
+        inner_rows, inner_columns = self.inner
+        return {"w1.weight": inner_rows, "w3.weight": inner_rows, "w2.weight": inner_columns}
+
 
 class KimiMoE(nn.Module):
     """x [N, hidden] -> sum_j w_j expert_j(x) + shared_experts(x): SiLU-gated experts routed by `GroupedTopKRouter`
     (sigmoid scores + correction bias, groups, fp32), a SiLU-gated shared expert of n_shared_experts x
     moe_intermediate_size."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = UNSHARDED) -> None:
         super().__init__()
         c, mlp = config, config.mlp
+        self.tp = tp
         assert mlp.grouped_routing is not None
         self.gate = GroupedTopKRouter(c.hidden_size, mlp.num_experts, mlp.num_experts_per_tok, mlp.grouped_routing,
                                       mlp.norm_topk_prob)
-        self.experts = nn.ModuleList(KimiExpert(c.hidden_size, mlp.moe_intermediate_size)
+        self.experts = nn.ModuleList(KimiExpert(c.hidden_size, mlp.moe_intermediate_size, tp)
                                      for _ in range(mlp.num_experts))
-        self.shared_experts = (MLP(c.hidden_size, mlp.shared_expert_intermediate_size)
+        self.shared_experts = (MLP(c.hidden_size, mlp.shared_expert_intermediate_size, tp, reduce=False,
+                                   field="moe_intermediate_size x num_shared_experts")
                                if mlp.shared_expert_intermediate_size else None)
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """Under tensor parallelism the routed and shared partial sums are all-reduced once."""
         top_weights, top_ids = self.gate(x)  # float32 weights
         routed = step.backend.moe(x, top_weights, top_ids, self.experts)
-        return routed if self.shared_experts is None else routed + self.shared_experts(x, step)
+        return self.tp.all_reduce(routed if self.shared_experts is None else routed + self.shared_experts(x, step))
 
 
 class KimiLinearForCausalLM(HybridCausalLM):
     supported_model_types = ("kimi_linear",)
     supports_fp8 = False
-    single_rank_reason = "its KDA, MLA and MoE layers are not split across ranks"
 
     def _layer(self, layer_id: int) -> nn.Module:
         c = self.config
         if c.layer_types[layer_id] is LayerKind.LINEAR_ATTENTION:
             d = c.gated_delta
             mixer: nn.Module = KimiDeltaAttention(c.hidden_size, num_heads=d.num_v_heads, head_dim=d.k_head_dim,
-                                                  conv_kernel_size=d.conv_kernel_size, eps=c.rms_norm_eps)
+                                                  conv_kernel_size=d.conv_kernel_size, eps=c.rms_norm_eps, tp=self.tp)
         else:
             assert c.mla is not None
-            mixer = KimiMLA(c.hidden_size, c.attention.num_heads, c.mla)
+            mixer = KimiMLA(c.hidden_size, c.attention.num_heads, c.mla, self.tp)
         moe = c.is_moe_layer(layer_id)
-        mlp = KimiMoE(c) if moe else MLP(c.hidden_size, c.mlp.intermediate_size)
+        mlp = KimiMoE(c, self.tp) if moe else MLP(c.hidden_size, c.mlp.intermediate_size, self.tp)
         return DecoderLayer("self_attn", mixer, mlp, c.hidden_size, c.rms_norm_eps, norm=RMSNorm,
                             mlp_name="block_sparse_moe" if moe else "mlp")
 

@@ -42,7 +42,8 @@ Tensor name rules, applied to every checkpoint tensor in this order:
    `k_conv1d.weight` and `v_conv1d.weight` (as its checkpoints write them) are the rows of our
    `linear_attn.conv1d.weight`, in that order (transformers concatenates them the same way); the one tensor
    `linear_attn.conv1d.weight` (transformers' in-memory name) loads too; Kimi Linear's KDA layers' `self_attn.q_conv1d`
-   / `k_conv1d` / `v_conv1d` alike, into `self_attn.conv1d.weight`;
+   / `k_conv1d` / `v_conv1d` alike, into `self_attn.conv1d.weight` (under tensor parallelism the blocks are read
+   whole and the rank's rows taken from their concatenation: they are small convolution weights);
 5. every other name must equal one of our parameter names exactly.
 
 A missing tensor, an unexpected tensor, a shape mismatch, a parameter given twice (one name in two shards, `model.X`
@@ -154,7 +155,8 @@ _E8M0 = getattr(torch, "float8_e8m0fnu", None)  # UE8M0 block scales' dtype (tor
 @dataclass(frozen=True)
 class _Source:
     """Where one of our parameters comes from: a checkpoint tensor, optionally one expert's slice of it; or, with
-    `more`, that tensor's rows followed by those of each tensor of `more` (whole, not sharded: rule 4)."""
+    `more`, that tensor's rows followed by those of each tensor of `more` (each read whole, the rank's part taken
+    from their concatenation: rule 4)."""
 
     checkpoint_name: str
     expert: int | None = None
@@ -175,7 +177,8 @@ class _Source:
             return [lead + (slice(first, last),)]
         if shard.dim == 0:
             return [lead + (slice(first + start, first + stop),) for start, stop in shard.ranges]
-        return [lead + (slice(first, last), slice(start, stop)) for start, stop in shard.ranges]
+        between = (slice(None),) * (shard.dim - 1)  # (Kimi's A_log [1, 1, H, 1] splits on dim 2)
+        return [lead + (slice(first, last), *between, slice(start, stop)) for start, stop in shard.ranges]
 
 
 def _shape(values: torch.Size | tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -419,10 +422,9 @@ def _copy_one(
     read: Callable[[str, tuple[int | slice, ...]], torch.Tensor],
 ) -> None:
     """Copy one planned parameter: its `shard`'s ranges of `source` (the whole tensor without a shard)."""
-    if source.more:  # row blocks (rule 4), read whole
-        if shard is not None:
-            raise ValueError(f"{source.names} are row blocks of one parameter: they cannot be split across ranks")
-        param.copy_(torch.cat([read(name, (slice(None),)) for name in source.names]))
+    if source.more:  # row blocks (rule 4): read whole and concatenated, then the rank's rows taken (small convs)
+        whole = torch.cat([read(name, (slice(None),)) for name in source.names])
+        param.copy_(whole if shard is None else shard.take(whole))
         return
     parts = [read(source.checkpoint_name, index) for index in source.indices(shard)]
     # UE8M0 block scales (powers of two) are read as fp32, exactly (`quant.check_fp8_dtypes`)

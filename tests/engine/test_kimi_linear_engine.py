@@ -1,8 +1,9 @@
 """Kimi Linear (KDA, MLA and MoE layers) through the engine: its KDA layers' state is a conv and an ssm tensor like
 gated DeltaNet's, its MLA layers' paged KV the latent rows (one kv head), so the pools, the checkpoints and the prefix
 cache need no change; cached and uncached runs compute the same thing, the cache hits at non-block-aligned steps;
-options that do not apply to it (MTP, images, FP8, TP) are clear errors; on CUDA, decode graphs replay what eager
-runs, and serving compiles nothing after start-up."""
+options that do not apply to it (MTP, images, FP8) are clear errors (tensor parallelism runs:
+tests/distributed/test_kimi_tensor_parallel.py); on CUDA, decode graphs replay what eager runs, and serving compiles
+nothing after start-up."""
 
 from __future__ import annotations
 

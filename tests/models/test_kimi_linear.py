@@ -9,6 +9,8 @@ whole sequence (explicit position_ids), read at the positions our step computed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -188,6 +190,9 @@ def test_the_released_models_cuda_workspace_is_its_expanded_prefill_at_the_cap()
     assert cuda.workspace_bytes(shapes, 8192, torch.bfloat16) == 1_916_796_928
     assert cuda.workspace_bytes(shapes, 2048, torch.bfloat16) < 1_916_796_928
     assert ReferenceBackend().workspace_bytes(shapes, 8192, torch.bfloat16) == 0
+    rank = model_shapes(released_kimi_config(), TensorParallel(1, 2))  # a rank of two: its 16 heads' workspace
+    assert rank.mla == dataclasses.replace(shapes.mla, num_heads=16)
+    assert cuda.workspace_bytes(rank, 8192, torch.bfloat16) < cuda.workspace_bytes(shapes, 8192, torch.bfloat16)
     qwen = model_shapes(ModelConfig.from_dict(make_pair("qwen3_next").hf_config.to_dict()))
     assert qwen.mla is None and cuda.workspace_bytes(qwen, 8192, torch.bfloat16) == 0
 
@@ -211,7 +216,15 @@ def test_config_refusals(overrides, message):
         ModelConfig.from_dict(_raw(**overrides))
 
 
-def test_tensor_parallel_is_refused():
+def test_a_tensor_parallel_size_that_does_not_split_a_width_names_its_field():
+    """Kimi Linear runs under tensor parallelism (tests/distributed/test_kimi_tensor_parallel.py); a size that does
+    not divide the KDA heads (2 here) or the experts' width (32; with 3 KDA heads) is refused naming the field."""
     config = ModelConfig.from_dict(_raw())
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        get_model_class("KimiLinearForCausalLM")(config, TensorParallel(rank=0, size=2))
+    model_cls = get_model_class("KimiLinearForCausalLM")
+    with pytest.raises(ValueError, match=r"4 does not divide Kimi Delta Attention heads \(linear_attn_config's "
+                                         r"num_heads\) \(2\)"):
+        model_cls(config, TensorParallel(rank=0, size=4))
+    three_heads = {**VARIANTS["moe-groups"]["linear_attn_config"], "num_heads": 3}
+    config = ModelConfig.from_dict(_raw(linear_attn_config=three_heads))
+    with pytest.raises(ValueError, match=r"3 does not divide the expert width \(config.json's moe_intermediate_size\)"):
+        model_cls(config, TensorParallel(rank=0, size=3))
