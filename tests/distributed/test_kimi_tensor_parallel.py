@@ -1,10 +1,13 @@
 """Kimi Linear under tensor parallelism (`models/kimi_linear.py`): its KDA and MLA layers split by head, its MLPs and
 experts by their intermediate dim. The ranks' shards partition every split weight; each rank loads exactly its part
 (the KDA conv's q / k / v row blocks too), also of the dummy model; and on the CPU (gloo, 2 ranks) two ranks give
-one rank's greedy tokens and logits (1e-4 relative), and the cache-equivalence workload an uncached single rank's."""
+one rank's greedy tokens and logits (1e-4 relative), and the cache-equivalence workload an uncached single rank's;
+the same on 2 GPUs where a machine has them."""
 
 from __future__ import annotations
 
+import gc
+import importlib.util
 import random
 
 import pytest
@@ -13,7 +16,7 @@ import torch
 from hybridcache.layers.parallel import TensorParallel
 from hybridcache.models import ModelConfig, get_model_class, load_model, load_weights
 from tests.engine.hybrid_family_checks import write_tiny_folder
-from tests.engine.test_cache_equivalence import assert_same, make_engine, run_workload
+from tests.engine.test_cache_equivalence import CUDA_FP32, assert_same, make_engine, run_workload
 from tests.models.kimi_helpers import checkpoint_state_dict, kimi_config, kimi_model
 
 from .test_sharding import checkpoint_order
@@ -105,5 +108,23 @@ def test_cache_workload_on_two_ranks_matches_an_uncached_single_rank(kimi_dir):
         out_cached = run_workload(engine, check_every_step=True)
         assert_same(engine, uncached, out_cached, out_uncached)
         assert sum(o.num_cached_tokens for o in out_cached.values()) > 0
+    finally:
+        engine.runner.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("fla") is None,
+                    reason="needs 2 CUDA devices and the cuda extra")
+def test_cuda_two_ranks_match_one_and_the_cache_workload_an_uncached_gpu(kimi_dir):
+    """The same on 2 GPUs (NCCL; the CUDA kernels, fp32): one GPU's greedy tokens and logits, and the cache
+    workload's tokens and logits of an uncached single GPU."""
+    options = {**CUDA_FP32, "gpu_memory_utilization": 0.25}  # (at most three engines hold GPU 0 at once)
+    prompt = [random.Random(7).randrange(256) for _ in range(170)]
+    single = assert_two_ranks_match_one(kimi_dir, "kimi-cuda", prompt, max_tokens=10, **options)
+    del single
+    gc.collect()
+    engine = make_engine(kimi_dir, tensor_parallel_size=2, **options)
+    try:
+        uncached = make_engine(kimi_dir, caching=False, **options)
+        assert_same(engine, uncached, run_workload(engine, check_every_step=True), run_workload(uncached))
     finally:
         engine.runner.shutdown()
