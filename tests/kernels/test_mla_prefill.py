@@ -75,7 +75,7 @@ def test_expanded_equals_absorbed(case: str, widths: str):
 
 def test_how_a_step_runs():
     plan, cap, Plan = mla_prefill.plan, mla_prefill.EXPAND_MAX_TOKENS, mla_prefill.ExpandPlan  # noqa: N806
-    assert (cap, mla_prefill.WINDOW_GRANULE, mla_prefill.EXPAND_MIN_QUERIES) == (32_768, 1024, 80)
+    assert (cap, mla_prefill.WINDOW_GRANULE, mla_prefill.EXPAND_MIN_QUERIES) == (32_768, 1024, 96)
     assert plan((500, 1), (600, 40), 16) == Plan(0, None)  # (a decode row after a prefill: expanded with it)
     assert plan((1, 1, 700), (cap, cap, 700), 16) == Plan(2, None)  # leading decode rows: absorbed, any context
     assert plan((1, 1), (100, 40), 16) is None  # a decode step: absorbed reads 21x fewer bytes
@@ -86,8 +86,8 @@ def test_how_a_step_runs():
     assert plan((2048, 1), (cap, 40), 16) == Plan(0, 32_768 - 1024)  # sum min(c, L) <= cap: the decode row's 40 too
     assert plan((2000,) * 32, (2000,) * 32, 16) == Plan(0, 1024)
     assert plan((2000,) * 33, (2000,) * 33, 16) is None  # 33 sequences over a window of 1,024 keys: absorbed
-    # queries per context key: (80 x 100 + 1 x 3,100) / 3,200 < 80 (a decode row among the chunks), 80 x 3,100 ok
-    assert plan((80, 1), (100, 3100), 16) is None and plan((80, 80), (100, 3100), 16) == Plan(0, None)
+    # queries per context key: (96 x 100 + 1 x 3,100) / 3,200 < 96 (a decode row among the chunks), 96 x 3,100 ok
+    assert plan((96, 1), (100, 3100), 16) is None and plan((96, 96), (100, 3100), 16) == Plan(0, None)
     assert plan((64,), (30_064,), 16) is None and plan((128,), (30_128,), 16) == Plan(0, None)  # the bench's chunks
 
 

@@ -17,16 +17,18 @@ multiple of `WINDOW_GRANULE` (and of the page) for which the window's expansion,
 cap. A step with more sequences than the cap has room for at that granule, or one inside a CUDA graph capture
 (whose host lengths are not the replay's), runs absorbed.
 
-When expanding pays: an expanded sequence costs about f + e c + b q c for c context keys and q queries (the
-expansion's up-projection GEMMs and scratch writes, e a key; the paged kernel, which for short chunks mostly reads
-the scratch; a fixed f of the op's launches), an absorbed one about a q c. Measured on an H100 at Kimi's widths
-(docs/bench.md, session 68): e ~ 5e-8 s, b ~ 2e-11 s, f ~ 0.5 ms, a ~ 0.8-1.1e-9 s, so expanding pays from about
-(f / c + e) / (a - b) queries a key: 96 over 16,000 keys, 77 over 30,000, 62 over 100,000. The step's sequences
-after the lead expand when their queries per context key, sum q_i c_i / sum c_i, are at least `EXPAND_MIN_QUERIES`
-(80); with fewer (a short new turn over a long conversation, decode rows among the chunks) they run absorbed,
-whose time is then about the context's bytes read, as a decode step's.
+When expanding pays: an expanded sequence of q queries over c context keys costs about f + (e + r) c while q is
+small (f a fixed cost of the op's launches; e a key's up-projection GEMMs and scratch writes; r the paged kernel's
+read of the scratch, which bounds it up to a few hundred queries), an absorbed one about a q c. Fitted to the engine
+op on an H100 at Kimi's widths (docs/bench.md, session 68): f ~ 0.25 ms, e ~ 4.7e-8 s, r ~ 1.3e-8 s, and with the
+absorbed prefill tile a ~ 0.65-0.87e-9 s, so expanding pays from about (f / c + e + r) / a queries a key: ~100 over
+16,000-30,000 keys, ~83 over 100,000. The step's sequences after the lead expand when their queries per context
+key, sum q_i c_i / sum c_i, are at least `EXPAND_MIN_QUERIES` (96); with fewer (a short new turn over a long
+conversation, decode rows among the chunks) they run absorbed, whose time is then about the context's bytes read,
+as a decode step's. (Over short contexts f weighs more: by the same fit ~400 queries a key over 1,000 keys, which
+the one threshold does not follow; there both paths take a fraction of a millisecond.)
 
-Worked examples (cap 32,768, granule 1,024, 80 queries a key): query lens (1, 1, 2048), contexts (900, 5000,
+Worked examples (cap 32,768, granule 1,024, 96 queries a key): query lens (1, 1, 2048), contexts (900, 5000,
 70,000): two leading decode rows absorbed; the chunk's 70,000 keys exceed the cap, so L = 32,768 and three windows,
 [0, 32,768), [32,768, 65,536) and [65,536, 70,000), each expanded and attended by all 2,048 queries (those at
 positions before a window's first key get m = -inf, l = 0 there). Two 2,048-token chunks over contexts (20,000,
@@ -56,7 +58,7 @@ EXPAND_MAX_TOKENS = 32_768
 # Windows start at multiples of this (and of the page): a multiple of every prefill tile's block_n
 WINDOW_GRANULE = 1024
 # The queries per context key (sum q_i c_i / sum c_i over the expanded sequences) from which expanding pays
-EXPAND_MIN_QUERIES = 80
+EXPAND_MIN_QUERIES = 96
 
 
 @dataclass(frozen=True)
