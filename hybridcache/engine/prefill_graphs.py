@@ -57,6 +57,7 @@ from collections.abc import Sequence
 import torch
 
 from hybridcache.forward_batch import ForwardBatch
+from hybridcache.kernels.attention import mla_prefill
 from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.step import Core, StepContext
 from hybridcache.state_spec import DevicePools
@@ -298,6 +299,33 @@ class _CaptureCores:
         return out[: self.size]
 
 
+# A whole-step graph runs MLA absorbed (its lengths live on the device; `mla_prefill.plan`), which costs about this
+# much a (query, key) pair and head (Kimi's widths on an H100, the absorbed prefill tile: docs/bench.md, session
+# 68); a one-sequence step that the eager cores would run expanded leaves its graph for the pieces when its
+# absorbed MLA would cost more than the budget, an upper figure of the host time the whole graph saves (the pieces'
+# eager cores: about 1 ms a recurrent layer)
+ABSORBED_MLA_S_PER_PAIR_HEAD = 2.3e-11
+WHOLE_STEP_MLA_BUDGET_S = 0.04
+
+
+def absorbed_mla_s_per_pair(model: torch.nn.Module) -> float:
+    """The seconds a step's (query, key) pair costs in the model's MLA layers run absorbed, on this rank (its MLA
+    layers x its heads x `ABSORBED_MLA_S_PER_PAIR_HEAD`); 0 for a model without MLA."""
+    config = model.config
+    if getattr(config, "mla", None) is None:
+        return 0.0
+    heads = config.attention.num_heads // model.tp.size
+    return config.num_attention_layers * heads * ABSORBED_MLA_S_PER_PAIR_HEAD
+
+
+def leaves_whole_graph(s_per_pair: float, queries: int, context: int, page: int) -> bool:
+    """Whether a one-sequence step of `queries` tokens over `context` keys runs in the pieces rather than its
+    whole-step graph: its absorbed MLA (`s_per_pair`: `absorbed_mla_s_per_pair`) would cost more than
+    `WHOLE_STEP_MLA_BUDGET_S` and the eager cores would run it expanded (`mla_prefill.plan`)."""
+    return (s_per_pair * queries * context > WHOLE_STEP_MLA_BUDGET_S
+            and mla_prefill.plan((queries,), (context,), page) is not None)
+
+
 def is_sequence_step(batch: ForwardBatch) -> bool:
     """One text sequence (`is_piecewise`) with no verify rows, fresh or extending a context it holds: the steps
     `SequenceGraphs` replay whole."""
@@ -344,6 +372,8 @@ class SequenceGraphs:
         self.model, self.backend, self.pools = model, backend, pools
         self.sizes = inputs.sizes
         self.max_model_len = max_model_len
+        self.kernel_block_size = kernel_block_size
+        self.mla_s_per_pair = absorbed_mla_s_per_pair(model)
         self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
         self.device = device = inputs.device
         biggest = self.sizes[-1]
@@ -367,10 +397,16 @@ class SequenceGraphs:
         self.stream = inputs.stream
 
     def bucket(self, batch: ForwardBatch) -> int | None:
-        """The bucket whose whole-step graph runs `batch`, or None."""
+        """The bucket whose whole-step graph runs `batch`, or None: also for a step of a model with MLA layers
+        that the eager cores would run expanded (`mla_prefill.plan`) and whose absorbed MLA would cost more than
+        `WHOLE_STEP_MLA_BUDGET_S` (Kimi-Linear-48B, 7 MLA layers of 32 heads: 512 tokens over 15,000 keys or
+        more, 2,048 over 4,000; the + 200 request over 16,000, ~17 ms, stays in its graph)."""
         if not is_sequence_step(batch) or batch.block_tables.shape[1] > self.block_tables.shape[1]:
             return None
-        size = prefill_bucket(batch.query_lens_cpu[0], self.sizes)
+        queries, context = batch.query_lens_cpu[0], batch.context_lens_cpu[0]
+        if leaves_whole_graph(self.mla_s_per_pair, queries, context, self.kernel_block_size):
+            return None
+        size = prefill_bucket(queries, self.sizes)
         return size if size in self.graphs else None
 
     def load(self, batch: ForwardBatch) -> None:
