@@ -312,7 +312,7 @@ def absorbed_mla_s_per_pair(model: torch.nn.Module) -> float:
     """The seconds a step's (query, key) pair costs in the model's MLA layers run absorbed, on this rank (its MLA
     layers x its heads x `ABSORBED_MLA_S_PER_PAIR_HEAD`); 0 for a model without MLA."""
     config = model.config
-    if getattr(config, "mla", None) is None:
+    if config.mla is None:
         return 0.0
     heads = config.attention.num_heads // model.tp.size
     return config.num_attention_layers * heads * ABSORBED_MLA_S_PER_PAIR_HEAD
