@@ -29,8 +29,10 @@ Read from a model folder's config.json through `ModelConfig` (only that file is 
                          + Mamba2 layers * 6 * heads * head_dim * state_size
                          + Mamba1 layers * 6 * d_inner * state_size
     attention pairs    = 2 * attention layers * heads * (qk head dim + v head dim) FLOPs per (query, key) pair
-                         (QK^T and PV; head_dim both, except MLA's, which attends with kv_b_proj absorbed: its
-                         latent row's width E = kv_lora_rank + qk_rope_head_dim and the latent's, kv_lora_rank)
+                         (QK^T and PV; head_dim both, MLA's qk_head_dim and v_head_dim: a prefill that recomputes
+                         a prefix expands the latent rows into its heads' keys and values, `mla_prefill.py`; the
+                         expansion, kv_b_proj over a chunk's keys, is left out: at most ~20 % of the pair term
+                         with 2,048-token chunks)
     prefill_flops(n)   = flops_per_token * n + pair FLOPs * n (n + 1) / 2
 
 so computing tokens [s, n) costs prefill_flops(n) - prefill_flops(s), and a hit of s tokens saves
@@ -106,8 +108,7 @@ class ModelCost:
             pair_dims = 2 * attention.num_heads * attention.head_dim  # a head's query-key and value widths
         else:
             attn_params = _mla_params(h, attention.num_heads, c.mla)
-            # absorbed (models/kimi_linear.py): each head scores E-wide latent rows and sums R-wide latents
-            pair_dims = attention.num_heads * (c.mla.latent_width + c.mla.kv_lora_rank)
+            pair_dims = attention.num_heads * (c.mla.qk_head_dim + c.mla.v_head_dim)  # expanded (mla_prefill.py)
         mlp_matrices = 2 if c.hidden_act == "relu2" else 3  # up, down (Nemotron-H's relu^2) or gate, up, down
         # per recurrent layer: (parameters, state update and readout FLOPs per token, state bytes)
         recurrent = {kind: _recurrent_cost(c, _RECURRENT_MIXER.get(kind, kind), dtype_bytes, ssm_bytes)

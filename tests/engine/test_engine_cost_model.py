@@ -147,16 +147,20 @@ def test_hybrid_costs_count_their_recurrent_layers(family, variant):
 
 
 @pytest.mark.parametrize("variant", ["moe-groups", "qlora-dense2"])
-def test_kimi_attention_pairs_use_the_absorbed_widths(variant):
-    """Kimi Linear's attention FLOPs per (query, key) pair: MLA attends with kv_b_proj absorbed (models/
-    kimi_linear.py), so each head scores the latent row (kv_a_proj_with_mqa's output: latent + shared key part) and
-    sums the latent (kv_a_layernorm's width), 2 FLOPs a multiply-add; neither the expanded heads' key and value
-    widths nor the paged KV's head dim (half a latent row)."""
+def test_kimi_attention_pairs_use_the_expanded_widths(variant):
+    """Kimi Linear's attention FLOPs per (query, key) pair: a prefill that recomputes a prefix expands MLA's latent
+    rows into each head's key and value (kernels/attention/mla_prefill.py), so each head scores a query's full key
+    width (q_proj's per head) and sums a value's (kv_b_proj's per head, less the key part), 2 FLOPs a
+    multiply-add; neither the latent row's width (the absorbed path of short chunks) nor the paged KV's head dim."""
     config = ModelConfig.from_dict(kimi_model(variant).config.to_dict())
     model = get_model_class(config.architecture)(config)
     widths = 0
     for layer_id in config.attention_layer_ids:
         attn = model.model.layers[layer_id].self_attn
-        widths += attn.num_heads * (attn.kv_a_proj_with_mqa.out_features + attn.kv_a_layernorm.weight.numel())
-    assert config.attention.head_dim < config.mla.latent_width
+        query = attn.q_proj if config.mla.q_lora_rank is None else attn.q_b_proj
+        key_width = query.out_features // attn.num_heads
+        expanded = attn.kv_b_proj.out_features // attn.num_heads  # a head's key part (no rope) and value
+        value_width = expanded - (key_width - config.mla.qk_rope_head_dim)
+        widths += attn.num_heads * (key_width + value_width)
+    assert config.mla.latent_width + config.mla.kv_lora_rank > config.mla.qk_head_dim + config.mla.v_head_dim
     assert ModelCost.from_config(config).attn_flops_per_token_pair == 2 * widths

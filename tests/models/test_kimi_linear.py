@@ -164,12 +164,12 @@ def test_config_reads_the_released_layout():
 def test_the_released_models_kv_is_the_latent():
     """A token's KV over the 7 MLA layers of Kimi-Linear-48B in bf16: the latent row, 7 x 576 x 2 B = 7.9 KiB (the
     heads' expanded keys and values, padded to 192, were 7 x 2 x 32 x 192 x 2 B = 168 KiB); the attention's FLOPs
-    per (query, key) pair at the absorbed widths, 2 x 7 x 32 x (576 + 512)."""
+    per (query, key) pair at the expanded widths a recomputing prefill runs, 2 x 7 x 32 x (192 + 128)."""
     from hybridcache.engine.cost_model import ModelCost
 
     cost = ModelCost.from_config(released_kimi_config())
     assert cost.kv_bytes_per_token == 7 * 576 * 2
-    assert cost.attn_flops_per_token_pair == 2 * 7 * 32 * (576 + 512)
+    assert cost.attn_flops_per_token_pair == 2 * 7 * 32 * (192 + 128)
 
 
 def test_the_released_models_cuda_workspace_is_its_expanded_prefill_at_the_cap():
