@@ -22,14 +22,41 @@ from .model_folders import prompts_of, write_tiny_model
 
 class CompileRecorder:
     """Triton's `jit_cache_hook`: called for every kernel specialisation a process has not run yet (compiled, or
-    loaded from the disk cache), before it is built; records its name and key and lets the compile go ahead."""
+    loaded from the disk cache), before it is built; records its name and key (start-up's apart, until
+    `start_serving`) and lets the compile go ahead."""
 
     def __init__(self) -> None:
-        self.seen: list[str] = []
+        self.seen: list[str] = []  # "name key=..." of each compile once serving started
+        self.startup: dict[str, list[str]] = {}  # kernel name -> the keys start-up compiled
+        self._serving = False
 
     def __call__(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 (Triton's names)
-        self.seen.append(f"{fn.name} key={str(key)[:400]}")
+        if self._serving:
+            self.seen.append(f"{fn.name} key={key}")
+        else:
+            self.startup.setdefault(fn.name, []).append(str(key))
         return None
+
+    def start_serving(self) -> None:
+        """From here on every compile is one start-up did not do."""
+        self._serving, self.seen = True, []
+
+    def explain(self) -> str:
+        """Each compile seen while serving, with the parts of its key that differ from the nearest key start-up
+        compiled for the same kernel (a key is Triton's list of (type, specialisation) per argument, then the
+        launch options), or that start-up never compiled the kernel."""
+        lines = []
+        for entry in self.seen:
+            name, key = entry.split(" key=", 1)
+            parts = key.split("), (")
+            known = [k.split("), (") for k in self.startup.get(name, [])]
+            if not known:
+                lines.append(f"{name}: never compiled at start-up; key {key}")
+                continue
+            nearest = min(known, key=lambda k: sum(a != b for a, b in zip(k, parts)) + abs(len(k) - len(parts)))
+            diff = [f"#{i}: start-up {b!r}, serving {a!r}" for i, (a, b) in enumerate(zip(parts, nearest)) if a != b]
+            lines.append(f"{name}: {'; '.join(diff) or 'same parts'} (of {len(known)} start-up key(s)); key {key}")
+        return "\n".join(lines)
 
 
 @pytest.fixture
@@ -78,10 +105,10 @@ def test_serving_compiles_no_kernel_after_start_up(tmp_path, compile_recorder):
 
     folder = write_tiny_model(tmp_path, "qwen3_next")
     llm = LLM(folder, device="cuda", dtype="bfloat16", max_num_seqs=32, gpu_memory_utilization=0.2)
-    compile_recorder.seen.clear()  # what start-up compiled is start-up's
+    compile_recorder.start_serving()  # what start-up compiled is start-up's
     served = serve_mixed_shapes(llm)
     assert served > 100
-    assert compile_recorder.seen == [], f"kernels compiled while serving: {compile_recorder.seen}"
+    assert compile_recorder.seen == [], f"kernels compiled while serving:\n{compile_recorder.explain()}"
     # the recorder does see compiles: a norm of a width and dtype the model never runs is one
     fused_norm.rms_norm(torch.randn(3, 48, device="cuda", dtype=torch.float16),
                         torch.ones(48, device="cuda", dtype=torch.float16), 1e-6)
