@@ -13,6 +13,8 @@ sequences) and fails on the first Triton compile it sees, naming the kernel and 
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
 
@@ -27,36 +29,45 @@ class CompileRecorder:
 
     def __init__(self) -> None:
         self.seen: list[str] = []  # "name key=..." of each compile once serving started
+        self.callers: list[str] = []  # the engine's frames that launched each of them, innermost last
         self.startup: dict[str, list[str]] = {}  # kernel name -> the keys start-up compiled
         self._serving = False
 
     def __call__(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 (Triton's names)
         if self._serving:
             self.seen.append(f"{fn.name} key={key}")
+            self.callers.append(_engine_frames())
         else:
             self.startup.setdefault(fn.name, []).append(str(key))
         return None
 
     def start_serving(self) -> None:
         """From here on every compile is one start-up did not do."""
-        self._serving, self.seen = True, []
+        self._serving, self.seen, self.callers = True, [], []
 
     def explain(self) -> str:
         """Each compile seen while serving, with the parts of its key that differ from the nearest key start-up
         compiled for the same kernel (a key is Triton's list of (type, specialisation) per argument, then the
         launch options), or that start-up never compiled the kernel."""
         lines = []
-        for entry in self.seen:
+        for entry, caller in zip(self.seen, self.callers, strict=True):
             name, key = entry.split(" key=", 1)
             parts = key.split("), (")
             known = [k.split("), (") for k in self.startup.get(name, [])]
             if not known:
-                lines.append(f"{name}: never compiled at start-up; key {key}")
+                lines.append(f"{name}: never compiled at start-up; key {key}; launched from {caller}")
                 continue
             nearest = min(known, key=lambda k: sum(a != b for a, b in zip(k, parts)) + abs(len(k) - len(parts)))
             diff = [f"#{i}: start-up {b!r}, serving {a!r}" for i, (a, b) in enumerate(zip(parts, nearest)) if a != b]
-            lines.append(f"{name}: {'; '.join(diff) or 'same parts'} (of {len(known)} start-up key(s)); key {key}")
+            lines.append(f"{name}: {'; '.join(diff) or 'same parts'} (of {len(known)} start-up key(s)); key {key}; "
+                         f"launched from {caller}")
         return "\n".join(lines)
+
+
+def _engine_frames(depth: int = 8) -> str:
+    """The innermost `depth` frames of the current stack in the hybridcache package, outermost first."""
+    frames = [f for f in traceback.extract_stack() if "/hybridcache/" in f.filename][-depth:]
+    return " > ".join(f"{f.filename.rsplit('/hybridcache/', 1)[1]}:{f.lineno} {f.name}" for f in frames)
 
 
 @pytest.fixture
