@@ -113,3 +113,15 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens_cpu)
+
+
+TABLE_WIDTH_ALIGN = 16
+
+
+def table_width(num_pages: int) -> int:
+    """Columns of a block table whose longest row has `num_pages` pages (the step's, `engine/input_builder.py`, or
+    a kernel's own, as MLA's scratch pool's): rounded up to a multiple of 16, so the table's row stride always
+    takes Triton's same integer specialisation (divisible by 16). Unpadded, a batch whose rows all fit one page
+    has stride 1, a constant Triton compiles a kernel variant for, inside a request (what that cost:
+    docs/bench.md, "Start-up compiles")."""
+    return -(-num_pages // TABLE_WIDTH_ALIGN) * TABLE_WIDTH_ALIGN

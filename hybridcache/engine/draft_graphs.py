@@ -27,9 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridcache.engine.input_builder import table_width
 from hybridcache.engine.mtp_draft import DraftPlan, draft_chain, head_kv
-from hybridcache.forward_batch import ForwardBatch
+from hybridcache.forward_batch import ForwardBatch, table_width
 from hybridcache.kernels.backend import KernelBackend
 from hybridcache.state_spec import DevicePools
 

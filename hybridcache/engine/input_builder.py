@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridcache.cache.plan import CopyOp, CopyPlan
-from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
+from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch, table_width
 
 _ALIGN_WORDS = 2  # int64 words per 16 bytes: every field of a step's packed id tensor starts aligned (_to_device)
 _PAD = (0,) * _ALIGN_WORDS
@@ -47,17 +47,6 @@ class SeqChunk:
     embeds: tuple[tuple[int, torch.Tensor], ...] = ()
     rope_positions: torch.Tensor | None = None
     rope_shift: int = 0
-
-
-TABLE_WIDTH_ALIGN = 16
-
-
-def table_width(num_pages: int) -> int:
-    """Columns of a block table whose longest row has `num_pages` pages: rounded up to a multiple of 16, so the
-    table's row stride always takes Triton's same integer specialisation (divisible by 16). Unpadded, a batch
-    whose rows all fit one page has stride 1, a constant Triton compiles a kernel variant for, inside a
-    request (what that cost: docs/bench.md, "Start-up compiles")."""
-    return -(-num_pages // TABLE_WIDTH_ALIGN) * TABLE_WIDTH_ALIGN
 
 
 def build_forward_batch(

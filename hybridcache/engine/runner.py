@@ -48,14 +48,14 @@ import torch
 from hybridcache.copy_kinds import CopyKind, Phase
 from hybridcache.engine.draft_graphs import DraftGraphs, write_rows
 from hybridcache.engine.host_pool import CopyStreams, HostPool
-from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, table_width
+from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.mtp_draft import DraftPlan, identity, run_draft_plan
 from hybridcache.engine.paged_state import PagedStates
 from hybridcache.engine.prefill_graphs import PrefillGraphs, SequenceGraphs, prefill_graph_sizes
 from hybridcache.engine.spec_chain import ChainGraphs, ChainTables, copy_state_rows, next_verify_batch, select_rows
 from hybridcache.engine.token_feed import TokenFeed
-from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
+from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch, table_width
 from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.kernels.copy.block_copy import copy_blocks
 from hybridcache.kernels.sampling import greedy_tokens

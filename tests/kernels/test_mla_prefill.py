@@ -153,8 +153,9 @@ def test_a_window_expands_only_its_keys():
                                                     shared)
     pool, table = mla_prefill.expand_context(kv.kv_pool, w_uk, w_uv, kv.block_tables, batch.context_lens_cpu, shared,
                                              (32, 96))
-    assert pool.shape[1] == 0 + 4 + 2 and table.shape == (3, 6)  # keys 0, 64 (to 96) and 29 (to 61)
-    assert table[1].tolist() == [0, 0, 0, 1, 2, 3] and table[2].tolist()[2:4] == [4, 5]
+    # keys 0, 64 (to 96) and 29 (to 61): 6 columns of pages, the table 16 wide (`table_width`)
+    assert pool.shape[1] == 0 + 4 + 2 and table.shape == (3, 16) and whole_table.shape == (3, 16)
+    assert table[1].tolist()[:6] == [0, 0, 0, 1, 2, 3] and table[2].tolist()[2:4] == [4, 5]
     for i, end in enumerate((17, 96, 61)):
         if end <= 32:
             continue

@@ -37,8 +37,8 @@ over a 50,000-token conversation: 20 queries a key, absorbed.
 
 Worked example of one expansion, two sequences with window keys 5 and 17 (pages of 16): the scratch pool has
 ceil(5/16) + ceil(17/16) = 3 pages; sequence 0's keys fill page 0 (rows 5-15 unused), sequence 1's pages 1 and 2;
-the block table is [[0, -], [1, 2]], shifted right by lo / 16 columns for a window starting at key lo (the kernel
-reads the table only inside the window). Every key of a window is expanded, cached and new alike; the kernel masks
+the block table is [[0, -, ...], [1, 2, ...]] (16 columns, `table_width`), shifted right by lo / 16 columns for a
+window starting at key lo (the kernel reads the table only inside the window). Every key of a window is expanded, cached and new alike; the kernel masks
 keys past each query.
 """
 
@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from hybridcache.forward_batch import table_width
 from hybridcache.kernels.attention.latent import gather_rows
 
 # The context tokens one expansion may hold (scratch: 2 x H x width values a token; 768 MiB at Kimi's widths in bf16)
@@ -120,7 +121,8 @@ def expand_context(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every sequence's keys at positions in `window` [lo, hi) (hi None: to its end) up-projected (module
     docstring): (scratch pool [2, pages, page, H, width], its block table [S, P] int32, P = ceil(min(hi, longest) /
-    page), the columns before lo / page unused), width = max(Dn + Dr, Dv); keys [W_UK_h c | k_shared] and values
+    page) rounded up to a multiple of 16 (`table_width`: one Triton specialisation of its stride), the columns
+    before lo / page and past a row's pages unused), width = max(Dn + Dr, Dv); keys [W_UK_h c | k_shared] and values
     W_UV_h c, both zero-padded to width. kv_pool: a layer's pool of latent rows [2, num_pages, page, 1,
     ceil(E / 2)]; w_uk [H, Dn, R], w_uv [H, Dv, R]; shared_width: Dr (E = R + Dr); lo a multiple of the page."""
     heads, nope, rank = w_uk.shape
@@ -141,7 +143,7 @@ def expand_context(
     pool[0, :, :, :nope] = (latent @ w_uk.reshape(heads * nope, rank).T).view(num_rows, heads, nope)
     pool[0, :, :, nope: nope + shared_width] = rows[:, None, rank:]
     pool[1, :, :, :value_dim] = (latent @ w_uv.reshape(heads * value_dim, rank).T).view(num_rows, heads, value_dim)
-    table = torch.zeros(len(pages), max(-(-end // page) for end in ends), dtype=torch.int32)
+    table = torch.zeros(len(pages), table_width(max(-(-end // page) for end in ends)), dtype=torch.int32)
     start = 0
     for i, count in enumerate(pages):
         table[i, first: first + count] = torch.arange(start, start + count, dtype=torch.int32)
