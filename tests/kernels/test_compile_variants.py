@@ -7,7 +7,7 @@ import pytest
 
 from hybridcache.kernels.attention import triton_paged
 from hybridcache.kernels.conv import triton_verify as conv_verify
-from hybridcache.kernels.gated_delta import triton_gates
+from hybridcache.kernels.gated_delta import triton_gates, triton_step
 from hybridcache.kernels.gated_delta import triton_verify as gdn_verify
 from hybridcache.kernels.gemm import triton_block_fp8, triton_fp8_moe, triton_quant
 from hybridcache.kernels.moe import triton_route, triton_sort
@@ -47,3 +47,13 @@ def test_run_time_counts_are_not_specialised(kernel, count):
     max_tokens), which the verify graphs, captured with k drafts per row, never meet."""
     (param,) = [p for p in kernel.params if p.name == count]
     assert param.do_not_specialize
+
+
+@pytest.mark.parametrize("pointer", ["g_ptr", "beta_ptr"])
+def test_the_step_kernels_gate_pointers_are_not_specialised_on_alignment(pointer):
+    """The DeltaNet step kernel's g and beta (the raw a and b of Qwen3-Next's projection: column views at an
+    offset of 2 x (conv dim + value dim + Hv) bytes, 8 past a 16-byte boundary when Hv is 4 mod 8) came aligned in a
+    piecewise-graph mixed step and not in the decode steps start-up ran: Triton's alignment specialisation compiled
+    a variant while serving (tests/engine/test_no_compile_after_start_up.py on an H100)."""
+    (param,) = [p for p in triton_step._gdn_step_kernel.params if p.name == pointer]
+    assert param.do_not_specialize_on_alignment

@@ -38,8 +38,8 @@ over a 50,000-token conversation: 20 queries a key, absorbed.
 Worked example of one expansion, two sequences with window keys 5 and 17 (pages of 16): the scratch pool has
 ceil(5/16) + ceil(17/16) = 3 pages; sequence 0's keys fill page 0 (rows 5-15 unused), sequence 1's pages 1 and 2;
 the block table is [[0, -, ...], [1, 2, ...]] (16 columns, `table_width`), shifted right by lo / 16 columns for a
-window starting at key lo (the kernel reads the table only inside the window). Every key of a window is expanded, cached and new alike; the kernel masks
-keys past each query.
+window starting at key lo (the kernel reads the table only inside the window). Every key of a window is expanded,
+cached and new alike; the kernel masks keys past each query.
 """
 
 from __future__ import annotations
