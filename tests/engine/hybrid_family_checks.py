@@ -1,6 +1,7 @@
 """The engine checks every hybrid family's test file runs on its own `model_dir` fixture (a tiny random folder from
 `write_tiny_folder`): cached == uncached on the randomized workload, hits at non-block-aligned divergence steps,
-`LLM.generate` with and without the prefix cache, the piecewise prefill split, cached == uncached on CUDA, and the
+`LLM.generate` with and without the prefix cache, the piecewise prefill split, cached == uncached on CUDA, no Triton
+compile after start-up on CUDA (`compile_recorder`: a test file imports that fixture too), and the
 refusal of the options that do not apply to the family (MTP, images; FP8 where the test file's `SERVES_FP8` is
 False, tensor parallelism where it runs on one rank). A test file imports them by name (pytest collects them there,
 with that file's `model_dir`, made by `tiny_model_dir_fixture`, and its module-level `SERVES_FP8`):
@@ -30,6 +31,7 @@ from hybridcache.sampling import SamplingParams
 
 from .markers import needs_cuda_engine
 from .test_cache_equivalence import CUDA_FP32, assert_same, finish_one, make_engine, run_workload, tokens
+from .test_no_compile_after_start_up import compile_recorder, serve_mixed_shapes  # noqa: F401 - the fixture
 from .test_prefill_graphs import make_runner, split_and_unsplit, steps
 
 
@@ -172,3 +174,15 @@ def test_options_that_do_not_apply_are_clear_errors(model_dir, request):
     with pytest.raises(ValueError, match="takes no images"):
         llm.generate({"prompt": "hi", "multi_modal_data": {"image": Image.new("RGB", (32, 32))}})
     llm.close()
+
+
+@needs_cuda_engine
+def test_serving_compiles_no_kernel_after_start_up(model_dir, compile_recorder):  # noqa: F811
+    """The mixed shapes of tests/engine/test_no_compile_after_start_up.py on this family's folder in bf16 (fresh
+    prompts of 1-1,500 tokens, prefix hits and extensions, mixed steps in the piecewise graphs): once `LLM(...)` has
+    returned, nothing compiles; each compile seen is named with the key part that differs from start-up's and the
+    engine frames that launched it."""
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_num_seqs=32, gpu_memory_utilization=0.2)
+    compile_recorder.start_serving()  # what start-up compiled is start-up's
+    assert serve_mixed_shapes(llm) > 100
+    assert compile_recorder.seen == [], f"kernels compiled while serving:\n{compile_recorder.explain()}"

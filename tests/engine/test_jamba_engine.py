@@ -12,11 +12,13 @@ from hybridcache.engine.engine import LLMEngine
 from tests.models.jamba_helpers import jamba_model
 
 from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
+    compile_recorder,
     test_cached_run_equals_uncached_run,
     test_cuda_backend_takes_the_folder,
     test_cuda_fp32_cached_run_equals_uncached_run,
     test_llm_generate_with_and_without_the_prefix_cache,
     test_options_that_do_not_apply_are_clear_errors,
+    test_serving_compiles_no_kernel_after_start_up,
     test_shared_prefixes_of_unaligned_lengths_hit_at_the_divergence_step,
     test_split_forward_equals_unsplit_on_cpu,
     tiny_model_dir_fixture,

@@ -11,17 +11,18 @@ from tests.models.kimi_helpers import kimi_model
 
 from .graph_checks import replay_and_eager_tokens
 from .hybrid_family_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
+    compile_recorder,
     test_cached_run_equals_uncached_run,
     test_cuda_backend_takes_the_folder,
     test_cuda_fp32_cached_run_equals_uncached_run,
     test_llm_generate_with_and_without_the_prefix_cache,
     test_options_that_do_not_apply_are_clear_errors,
+    test_serving_compiles_no_kernel_after_start_up,
     test_shared_prefixes_of_unaligned_lengths_hit_at_the_divergence_step,
     test_split_forward_equals_unsplit_on_cpu,
     tiny_model_dir_fixture,
 )
 from .markers import needs_cuda_engine
-from .test_no_compile_after_start_up import compile_recorder  # noqa: F401 - the fixture
 
 # FP8 weights and KV: refused (the shared refusal test checks the model class's `supports_fp8` against it)
 SERVES_FP8 = False
@@ -40,18 +41,3 @@ def test_cuda_graph_decode_equals_eager(model_dir):
     assert llm.engine.runner.graph_batch_sizes == (1, 2, 4, 8, 16, 32)
     graph, eager = replay_and_eager_tokens(llm)
     assert graph == eager
-
-
-@needs_cuda_engine
-def test_serving_compiles_no_kernel_after_start_up(model_dir, compile_recorder):  # noqa: F811
-    """The mixed shapes of tests/engine/test_no_compile_after_start_up.py on Kimi: its MLA prefill takes three kernel
-    paths by the step (`mla_prefill.plan`: absorbed in key splits for a short extension of a long prompt, expanded
-    in one launch, expanded in the split kernel), each compiled at start-up (`ModelRunner._compile_on_pools`)."""
-    from hybridcache import LLM
-
-    from .test_no_compile_after_start_up import serve_mixed_shapes
-
-    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_num_seqs=32, gpu_memory_utilization=0.2)
-    compile_recorder.start_serving()  # what start-up compiled is start-up's
-    assert serve_mixed_shapes(llm) > 100
-    assert compile_recorder.seen == [], f"kernels compiled while serving:\n{compile_recorder.explain()}"
