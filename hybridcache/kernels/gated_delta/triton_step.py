@@ -116,9 +116,9 @@ def delta_rule_update(state, bk, bv, bg, bb):
     return state + bk[:, None] * delta[None, :]
 
 
-# g and beta are often the raw a and b, column views of the layer's projection output: at an 8-byte offset in an
-# eager step, their own buffers in a piecewise-graph step (a mixed step's decode rows), so their 16-byte alignment
-# is a run-time fact Triton must not compile a variant for (the no-compile test met it on an H100)
+# g and beta are often the raw a and b: column views of the layer's projection output in an eager step (16-byte
+# aligned or not by the widths before them), copies in the pieces' staging buffers in a piecewise-graph step (a
+# mixed step's decode rows). Their alignment depends on the path, so no variant is compiled on it.
 @triton.jit(do_not_specialize_on_alignment=["g_ptr", "beta_ptr"])
 def _gdn_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, slots_ptr, ctx_ptr, alog_ptr, dt_ptr, scale,
