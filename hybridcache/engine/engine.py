@@ -63,7 +63,7 @@ from hybridcache.engine.disk_keeper import DiskKeeper
 from hybridcache.engine.disk_tier import DiskTier, model_key
 from hybridcache.engine.executor import make_executor
 from hybridcache.engine.host_pool import measure_copy_rates
-from hybridcache.engine.input_builder import build_forward_batch, device_copies
+from hybridcache.engine.input_builder import PageRows, build_forward_batch, device_copies
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.output_processor import OutputProcessor, RequestState
 from hybridcache.engine.rank_runner import DTYPES, RunnerSpec, device_free_bytes, engine_device
@@ -279,6 +279,7 @@ class LLMEngine:
         spec = RunnerSpec(self.model_path, config, self.max_model_len, encoder_bytes=self._encoder_reserve(),
                           free_at_start=free_at_start, max_step_tokens=self.max_step_tokens)
         self.runner = make_executor(spec, self.device)
+        self._page_rows = PageRows(config.pages_per_block)  # the sequences' kernel pages, kept across steps
         plan = self.runner.memory_plan
         backend = self.runner.backend
         self.memory_plan = plan
@@ -623,7 +624,7 @@ class LLMEngine:
             batch = build_forward_batch(chunks, block_size=self.config.block_size,
                                         kernel_block_size=self.config.kernel_block_size,
                                         device=self.runner.input_device, copies=scheduled.copies,
-                                        prompt_logits=wants_prompt, draft_slots=drafts)
+                                        prompt_logits=wants_prompt, draft_slots=drafts, page_rows=self._page_rows)
             feed = self._feed_sampled(chunks, previous) if previous is not None and previous.pending else None
             logits = self.runner.execute(batch, feed)
             if wants_prompt:

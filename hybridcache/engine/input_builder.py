@@ -49,6 +49,31 @@ class SeqChunk:
     rope_shift: int = 0
 
 
+class PageRows:
+    """Each state slot's kernel pages as an int64 C buffer, kept from step to step: a decode step's block table is
+    then copied from buffers (`array.extend`, a memcpy) instead of converted from Python ints, and with
+    pages_per_block > 1 not expanded again (64 sequences of 16,000 tokens: ~1,000 blocks' ids a step; the figures
+    are in docs/bench.md, "Host"). A row is reused only while the slot's block ids equal the ones it was made
+    from (a tuple compare, element identity first), so a stale row is never read: a slot that another sequence
+    took, blocks a preempted sequence got back, a block replaced by its private copy all make a new row."""
+
+    def __init__(self, pages_per_block: int) -> None:
+        self.pages_per_block = pages_per_block
+        self._rows: dict[int, tuple[tuple[int, ...], array]] = {}
+
+    def pages(self, slot: int, block_ids: Sequence[int]) -> array:
+        """The kernel pages of `block_ids` (block b: pages b * pages_per_block + j), the slot's kept row when its
+        block ids are the same."""
+        kept = self._rows.get(slot)
+        block_ids = tuple(block_ids)
+        if kept is not None and kept[0] == block_ids:
+            return kept[1]
+        ppb = self.pages_per_block
+        pages = array("q", block_ids if ppb == 1 else [b * ppb + j for b in block_ids for j in range(ppb)])
+        self._rows[slot] = (block_ids, pages)
+        return pages
+
+
 def build_forward_batch(
     chunks: Sequence[SeqChunk],
     *,
@@ -58,13 +83,15 @@ def build_forward_batch(
     copies: CopyPlan | None = None,
     prompt_logits: Sequence[bool] = (),
     draft_slots: Sequence[tuple[int, ...]] = (),
+    page_rows: PageRows | None = None,
 ) -> ForwardBatch:
     """Concatenate the chunks into one `ForwardBatch` (see `hybridcache.forward_batch`), with the step's copy
     plan turned into device id tensors. `prompt_logits[i]` (default: False for every chunk): chunk i also gets
     logits at each of its rows but its last (`prompt_logits_rows`, in chunk order), for prompt logprobs.
     `draft_slots[i]` (speculative decoding; default () for every chunk): chunk i is a verify row (its last token,
     then n drafts) and names n state pool rows, where the state after each of its first n positions is kept
-    (`ForwardBatch.draft_rows` / `draft_slots`)."""
+    (`ForwardBatch.draft_rows` / `draft_slots`). `page_rows`: the caller's `PageRows`, kept across its steps (the
+    engine's), for its block pages of the pages per block given here; None: made afresh for this step."""
     if prompt_logits and len(prompt_logits) != len(chunks):
         raise ValueError(f"{len(prompt_logits)} prompt_logits flags for {len(chunks)} chunks")
     if draft_slots and len(draft_slots) != len(chunks):
@@ -72,12 +99,16 @@ def build_forward_batch(
     if block_size % kernel_block_size:
         raise ValueError(f"block_size {block_size} is not a multiple of kernel_block_size {kernel_block_size}")
     pages_per_block = block_size // kernel_block_size
+    if page_rows is None:
+        page_rows = PageRows(pages_per_block)
+    elif page_rows.pages_per_block != pages_per_block:
+        raise ValueError(f"page_rows hold {page_rows.pages_per_block} pages a block, this step {pages_per_block}")
     input_ids: list[int] = []
     positions: list[int] = []
     kv_rows: list[int] = []
     cu_seqlens = [0]
     context_lens: list[int] = []
-    page_rows: list[Sequence[int]] = []
+    table_rows: list[array] = []
     logits_indices: list[int] = []
     embed_rows: list[int] = []
     embeds: list[torch.Tensor] = []
@@ -94,8 +125,7 @@ def build_forward_batch(
         end = start + num_new
         if len(block_ids) * block_size < end:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {end} tokens")
-        pages = (block_ids if pages_per_block == 1
-                 else [b * pages_per_block + j for b in block_ids for j in range(pages_per_block)])
+        pages = page_rows.pages(chunk.slot, block_ids)
         first_row = len(input_ids)
         drafted = tuple(draft_slots[i]) if draft_slots else ()
         if len(drafted) >= num_new:
@@ -122,15 +152,15 @@ def build_forward_batch(
             kv_rows.extend(pages[pos // kbs] * kbs + pos % kbs for pos in range(start, end))
         cu_seqlens.append(first_row + num_new)
         context_lens.append(end)
-        page_rows.append(pages[: -(-end // kbs)])
+        table_rows.append(pages[: -(-end // kbs)])
         logits_indices.append(first_row + num_new - 1)
     prompt_rows = [row for i, flag in enumerate(prompt_logits) if flag
                    for row in range(cu_seqlens[i], cu_seqlens[i + 1] - 1)]
-    width = table_width(max(len(row) for row in page_rows))
-    table: list[int] = []
-    for row in page_rows:
+    width = table_width(max(len(row) for row in table_rows))
+    table = array("q")
+    for row in table_rows:
         table.extend(row)
-        table.extend([0] * (width - len(row)))
+        table.frombytes(bytes(8 * (width - len(row))))  # zero pages past the row's end
 
     num_seqs = len(chunks)
     fields = {

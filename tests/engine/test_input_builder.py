@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from hybridcache.cache.plan import CopyKind, CopyOp, CopyPlan
-from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, device_copies
+from hybridcache.engine.input_builder import PageRows, SeqChunk, build_forward_batch, device_copies
 
 
 def test_worked_example_from_the_docstring():
@@ -41,6 +41,35 @@ def test_block_table_width_is_a_multiple_of_16(num_tokens):
     width = batch.block_tables.shape[1]
     assert width % 16 == 0 and width >= len(blocks)
     assert batch.block_tables[0, : len(blocks)].tolist() == blocks
+
+
+def _fields(batch):
+    return {name: getattr(batch, name).tolist() for name in ("block_tables", "kv_rows", "state_slots", "positions")}
+
+
+@pytest.mark.parametrize("pages_per_block", [1, 4])
+def test_kept_page_rows_give_the_batch_a_fresh_build_gives(pages_per_block):
+    """`PageRows` kept across steps: each step's batch equals one built afresh, while a slot's blocks grow, while
+    another sequence takes a slot with other blocks (or the same ones), and when a block is replaced in place (a
+    private copy of a frozen tail); and a row is reused only for equal block ids."""
+    kbs, block_size = 8, 8 * pages_per_block
+    kept = PageRows(pages_per_block)
+    steps = [
+        [SeqChunk([1], 20, [3, 7, 9], slot=0), SeqChunk([2, 3], 5, [4], slot=1)],
+        [SeqChunk([1], 21, (3, 7, 9), slot=0), SeqChunk([4], 6, [4], slot=1)],  # the same blocks (tuple or list)
+        [SeqChunk([1], 22, [3, 7, 9, 2], slot=0), SeqChunk([5], 7, [6], slot=1)],  # grown; block 4 -> 6 in place
+        [SeqChunk([6, 6], 0, [4], slot=0), SeqChunk([1], 23, [3, 7, 9, 2], slot=3)],  # slots taken by others
+    ]
+    for chunks in steps:
+        got = build_forward_batch(chunks, block_size=block_size, kernel_block_size=kbs, page_rows=kept)
+        want = build_forward_batch(chunks, block_size=block_size, kernel_block_size=kbs)
+        assert _fields(got) == _fields(want)
+    row = kept.pages(3, [3, 7, 9, 2])
+    assert kept.pages(3, [3, 7, 9, 2]) is row and kept.pages(3, [3, 7, 9, 5]) is not row
+    last = [5 * pages_per_block + j for j in range(pages_per_block)]
+    assert list(kept.pages(3, [3, 7, 9, 5]))[-pages_per_block:] == last
+    with pytest.raises(ValueError, match="pages a block"):
+        build_forward_batch(steps[0], block_size=2 * block_size, kernel_block_size=kbs, page_rows=kept)
 
 
 def test_rejects_too_few_blocks_and_empty_chunks():
