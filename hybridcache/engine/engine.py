@@ -288,7 +288,7 @@ class LLMEngine:
         self.async_scheduling = async_default if config.async_scheduling is None else config.async_scheduling
         self.drafter = None if config.speculative_config is None else MtpDrafter(
             self.runner, num_speculative_tokens=_speculative_tokens(config), block_size=config.block_size,
-            kernel_block_size=config.kernel_block_size, max_model_len=self.max_model_len)
+            kernel_block_size=config.kernel_block_size, max_model_len=self.max_model_len, page_rows=self._page_rows)
         self.num_blocks = plan.num_blocks
         self.weight_format = describe_weights(self.model_path, config)
         self.kv_cache_dtype = "fp8_e4m3" if config.kv_fp8 else config.dtype

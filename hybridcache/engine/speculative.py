@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+from hybridcache.engine.input_builder import PageRows, SeqChunk, build_forward_batch
 from hybridcache.engine.mtp_draft import DraftPlan, DraftStep
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.multimodal import chunk_embeds, overlaps_image, rope_positions, rope_shift
@@ -293,11 +293,13 @@ class MtpDrafter:
     on the host (a `DraftPlan`, `engine/mtp_draft.py`) and `runner.draft(plan)` runs it on the device, on one
     runner or, under tensor parallelism, on every rank in lock step, with each rank's shard of the head, its
     pools and the hidden states its last forward kept. `runner`: the engine's `Executor` (`draft`, `draft_slots`,
-    `input_device`)."""
+    `input_device`); `page_rows`: the engine's `PageRows` (the head's rows are in its chunks' blocks and slots, so
+    their block-table rows are the step's)."""
 
     def __init__(self, runner, *, num_speculative_tokens: int, block_size: int, kernel_block_size: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, page_rows: PageRows) -> None:
         self.runner = runner
+        self.page_rows = page_rows
         self.k = num_speculative_tokens
         self.block_size = block_size
         self.kernel_block_size = kernel_block_size
@@ -475,4 +477,4 @@ class MtpDrafter:
 
     def _batch(self, rows: Sequence[SeqChunk], device: torch.device) -> ForwardBatch:
         return build_forward_batch(rows, block_size=self.block_size, kernel_block_size=self.kernel_block_size,
-                                   device=device)
+                                   device=device, page_rows=self.page_rows)
