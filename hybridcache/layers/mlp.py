@@ -31,6 +31,14 @@ from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, column
 from hybridcache.layers.step import StepContext
 
 
+def gated_mlp_shards(tp: TensorParallel, span: tuple[int, int], gate: str, up: str, down: str) -> dict[str, Shard]:
+    """Parameter name -> this rank's part of a gated MLP's weights ({} unsharded) when the rank holds `span` of the
+    intermediate dim: the gate and up projections' rows, the down projection's columns."""
+    if tp.size == 1:
+        return {}
+    return {f"{gate}.weight": rows(span), f"{up}.weight": rows(span), f"{down}.weight": columns(span)}
+
+
 class MLP(nn.Module):
     """x [N, hidden] -> down(silu(gate(x)) * up(x)) [N, hidden]; under tensor parallelism all-reduced when
     `reduce` (else this rank's partial sum). `field`: the config.json field of the width, named by the error of a
@@ -43,9 +51,8 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         self.reduce = reduce
-        start, stop = tp.split(intermediate_size, f"the MLP width (config.json's {field})")
-        intermediate_size = stop - start
-        self.inner = rows((start, stop)), columns((start, stop))
+        self.span = tp.split(intermediate_size, f"the MLP width (config.json's {field})")
+        intermediate_size = self.span[1] - self.span[0]
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -63,10 +70,7 @@ class MLP(nn.Module):
 
     def shards(self) -> dict[str, Shard]:
         """Parameter name -> this rank's part of the full parameter ({} unsharded)."""
-        if self.tp.size == 1:
-            return {}
-        inner_rows, inner_columns = self.inner
-        return {"gate_proj.weight": inner_rows, "up_proj.weight": inner_rows, "down_proj.weight": inner_columns}
+        return gated_mlp_shards(self.tp, self.span, "gate_proj", "up_proj", "down_proj")
 
 
 class SparseMoeBlock(nn.Module):

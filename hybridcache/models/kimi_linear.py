@@ -73,7 +73,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from hybridcache.layers.linear import module_linear
-from hybridcache.layers.mlp import MLP
+from hybridcache.layers.mlp import MLP, gated_mlp_shards
 from hybridcache.layers.norm import RMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.step import StepContext
@@ -258,9 +258,8 @@ class KimiExpert(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel = UNSHARDED) -> None:
         super().__init__()
         self.tp = tp
-        start, stop = tp.split(intermediate_size, "the expert width (config.json's moe_intermediate_size)")
-        self.inner = rows((start, stop)), columns((start, stop))
-        intermediate_size = stop - start
+        self.span = tp.split(intermediate_size, "the expert width (config.json's moe_intermediate_size)")
+        intermediate_size = self.span[1] - self.span[0]
         self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -279,10 +278,7 @@ class KimiExpert(nn.Module):
 
     def shards(self) -> dict[str, Shard]:
         """Parameter name -> this rank's part ({} unsharded): w1 / w3 rows and w2 columns of its intermediate."""
-        if self.tp.size == 1:
-            return {}
-        inner_rows, inner_columns = self.inner
-        return {"w1.weight": inner_rows, "w3.weight": inner_rows, "w2.weight": inner_columns}
+        return gated_mlp_shards(self.tp, self.span, "w1", "w3", "w2")
 
 
 class KimiMoE(nn.Module):
