@@ -168,7 +168,7 @@ class Scheduler:
             if seq.status is SeqStatus.RUNNING:
                 self._take_prompt_rows(seq, seq.num_computed, plan)
                 planned.append(self._reserve(seq, plan))
-                cost = plan.end - seq.num_computed + len(self._drafts(seq, plan))
+                cost = plan.end - seq.num_computed + len(seq.drafts)  # (_reserve cleared drafts it cannot feed)
                 costs[seq.seq_id] = min(cost, budget)
                 budget = max(0, budget - cost)  # a multimodal span or drafts may go over it
         try:
@@ -267,8 +267,11 @@ class Scheduler:
     def _plan(self, seq: Seq, start: int, budget: int) -> ChunkPlan:
         if self._wants_prompt_rows(seq, start):
             budget = min(budget, self._prompt_rows)
-        hints = (s for s in seq.hint_steps if self.cache.saves_branch_point(s))
-        stops = [s for s in (seq.branch_step, *seq.fork_steps, *hints) if s is not None and s > start]
+        stop = None
+        if start < seq.cache_prompt_len:  # a prompt chunk (a decode chunk ends at no branch step)
+            hints = (s for s in seq.hint_steps if self.cache.saves_branch_point(s))
+            stop = min((s for s in (seq.branch_step, *seq.fork_steps, *hints) if s is not None and s > start),
+                       default=None)
         return plan_chunk(
             self.policy,
             start=start,
@@ -276,9 +279,9 @@ class Scheduler:
             budget=budget,
             prompt_len=seq.cache_prompt_len,
             block_size=self.cache.block_size,
-            branch_step=min(stops, default=None),
+            branch_step=stop,
             decode_interval=self.decode_checkpoint_interval,
-            spans=[(m.start, m.end) for m in seq.mm_inputs],
+            spans=[(m.start, m.end) for m in seq.mm_inputs] if seq.mm_inputs else (),
             hit_len=start if seq.num_cached is None else seq.num_cached,
         )
 

@@ -1,0 +1,104 @@
+"""Host time of one decode step of 64 sequences, by part, with the model's forward replaced by stored logits.
+
+The engine runs the built-in tiny model on the CPU, but `ModelRunner.execute` returns a fixed logits tensor (one
+row per sampled sequence, its argmax a plain token) from the first step on, so what is timed is what the host does
+around a forward: `_prepare`, `Scheduler.schedule` (planning and the cache's commit), `_launch` (the input build,
+the stubbed forward, queueing the sampling), `_complete` (the sampled tokens into the sequences, the scheduler's and
+the cache's `accept`, outputs). Contexts of 1,100 and 16,000 tokens (the prompts are fed as stubbed prefill steps,
+then every step is a decode step of 64 rows). Mean over the timed steps, after untimed ones.
+
+    .venv/bin/python benchmarks/host_step_bench.py                  # prints a table, writes results/host_step.json
+    PYTHONPATH=<another tree> python benchmarks/host_step_bench.py --out /tmp/other.json   # the same on that tree
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from hybridcache import LLM, SamplingParams
+from hybridcache.engine import runner as runner_mod
+
+PARTS = {"_prepare": "prepare", "schedule": "schedule", "_launch": "launch", "_complete": "complete"}
+
+
+def stub_forward(vocab: int, token: int) -> None:
+    """Replace the forward: logits whose argmax is `token`, one row per sequence that samples."""
+    stored: dict[int, torch.Tensor] = {}
+
+    def execute(self, batch, feed=None):  # noqa: ANN001, ANN202 (ModelRunner.execute's signature)
+        n = int(batch.logits_indices.shape[0])
+        if n not in stored:
+            stored[n] = torch.zeros(n, vocab)
+            stored[n][:, token] = 1.0
+        return stored[n]
+
+    runner_mod.ModelRunner.execute = execute
+
+
+def time_steps(context: int, seqs: int, steps: int, warm: int) -> dict[str, float]:
+    """Mean ms per decode step, whole and by part, of `seqs` sequences whose prompts are `context` tokens."""
+    llm = LLM(None, device="cpu", max_num_seqs=seqs, max_model_len=context + warm + 2 * steps + 8,
+              max_num_batched_tokens=max(8192, context), num_blocks=seqs * (context + warm + 2 * steps) // 16 + 512)
+    engine = llm.engine
+    stub_forward(engine.model_config.vocab_size, token=7)
+    params = SamplingParams(max_tokens=warm + 2 * steps + 4, ignore_eos=True, temperature=0.0)
+    rng = random.Random(0)
+    for i in range(seqs):
+        engine.add_request(str(i), [rng.randrange(3, 200) for _ in range(context)], params, final_only=True)
+    while engine.scheduler.waiting or any(s.num_computed < s.prompt_len for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(warm):
+        engine.step()
+    totals: collections.Counter[str] = collections.Counter()
+    for owner, name in [(engine, "_prepare"), (engine.scheduler, "schedule"), (engine, "_launch"),
+                        (engine, "_complete")]:
+        inner = getattr(owner, name)
+
+        def timed(*args, _inner=inner, _label=PARTS[name], **kwargs):  # noqa: ANN002, ANN003, ANN202
+            start = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                totals[_label] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - start
+    engine.check_integrity()
+    llm.close()
+    return {"step": wall / steps * 1e3, **{label: totals[label] / steps * 1e3 for label in PARTS.values()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", default="1100,16000", help="prompt lengths, comma-separated")
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warm", type=int, default=20)
+    parser.add_argument("--out", default="results/host_step.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    print("| context | step ms | " + " | ".join(PARTS.values()) + " |\n| --- | --- |" + " --- |" * len(PARTS))
+    for context in (int(c) for c in args.contexts.split(",")):
+        row = {"context": context, **{k: round(v, 4) for k, v in time_steps(context, args.seqs, args.steps,
+                                                                             args.warm).items()}}
+        rows.append(row)
+        print(f"| {context:,} | {row['step']:.3f} | " + " | ".join(f"{row[p]:.3f}" for p in PARTS.values()) + " |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"seqs": args.seqs, "steps": args.steps, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
