@@ -5,7 +5,10 @@ row per sampled sequence, its argmax a plain token) from the first step on, so w
 around a forward: `_prepare`, `Scheduler.schedule` (planning and the cache's commit), `_launch` (the input build,
 the stubbed forward, queueing the sampling), `_complete` (the sampled tokens into the sequences, the scheduler's and
 the cache's `accept`, outputs). Contexts of 1,100 and 16,000 tokens (the prompts are fed as stubbed prefill steps,
-then every step is a decode step of 64 rows). Mean over the timed steps, after untimed ones.
+then every step is a decode step of 64 rows), each with its requests' outputs returned once at the end (`final_only`,
+as `LLM.generate` runs them) and at every step, and run by the server's engine thread (`EngineLoop`, its metrics,
+one asyncio handler per request draining its outputs: the time between the thread's decode steps). Mean over the
+timed steps, after untimed ones.
 
     .venv/bin/python benchmarks/host_step_bench.py                  # prints a table, writes results/host_step.json
     PYTHONPATH=<another tree> python benchmarks/host_step_bench.py --out /tmp/other.json   # the same on that tree
@@ -14,6 +17,7 @@ then every step is a decode step of 64 rows). Mean over the timed steps, after u
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import json
 import random
@@ -24,6 +28,8 @@ import torch
 
 from hybridcache import LLM, SamplingParams
 from hybridcache.engine import runner as runner_mod
+from hybridcache.server.engine_loop import EngineLoop
+from hybridcache.server.metrics import ServerMetrics
 
 PARTS = {"_prepare": "prepare", "schedule": "schedule", "_launch": "launch", "_complete": "complete"}
 
@@ -42,16 +48,57 @@ def stub_forward(vocab: int, token: int) -> None:
     runner_mod.ModelRunner.execute = execute
 
 
-def time_steps(context: int, seqs: int, steps: int, warm: int) -> dict[str, float]:
-    """Mean ms per decode step, whole and by part, of `seqs` sequences whose prompts are `context` tokens."""
-    llm = LLM(None, device="cpu", max_num_seqs=seqs, max_model_len=context + warm + 2 * steps + 8,
-              max_num_batched_tokens=max(8192, context), num_blocks=seqs * (context + warm + 2 * steps) // 16 + 512)
-    engine = llm.engine
-    stub_forward(engine.model_config.vocab_size, token=7)
-    params = SamplingParams(max_tokens=warm + 2 * steps + 4, ignore_eos=True, temperature=0.0)
+def stubbed_llm(context: int, seqs: int, max_tokens: int) -> tuple[LLM, list[list[int]], SamplingParams]:
+    """The built-in model with its forward stubbed, room for `seqs` sequences of `context` + `max_tokens`
+    tokens, `seqs` random prompts of `context` tokens, and greedy parameters for `max_tokens` tokens."""
+    llm = LLM(None, device="cpu", max_num_seqs=seqs, max_model_len=context + max_tokens + 8,
+              max_num_batched_tokens=max(8192, context), num_blocks=seqs * (context + max_tokens) // 16 + 512)
+    stub_forward(llm.engine.model_config.vocab_size, token=7)
     rng = random.Random(0)
-    for i in range(seqs):
-        engine.add_request(str(i), [rng.randrange(3, 200) for _ in range(context)], params, final_only=True)
+    prompts = [[rng.randrange(3, 200) for _ in range(context)] for _ in range(seqs)]
+    return llm, prompts, SamplingParams(max_tokens=max_tokens + 4, ignore_eos=True, temperature=0.0)
+
+
+def time_served(context: int, seqs: int, steps: int, warm: int) -> dict[str, float]:
+    """Mean ms between the engine thread's decode steps when the server's `EngineLoop` runs the requests (with
+    its metrics) and one asyncio handler per request drains its output queue, as a streaming handler does."""
+    llm, prompts, params = stubbed_llm(context, seqs, warm + 2 * steps)
+    engine = llm.engine
+    starts: list[float] = []
+    step = engine.step
+
+    def timed_step():  # noqa: ANN202
+        if not any(s.num_computed < s.prompt_len for s in engine.scheduler.running) and not engine.scheduler.waiting:
+            starts.append(time.perf_counter())
+        return step()
+
+    engine.step = timed_step
+
+    async def serve() -> None:
+        loop = EngineLoop(engine, metrics=ServerMetrics())
+        loop.start()
+        sinks = await loop.add_many([str(i) for i in range(seqs)], prompts, params)
+
+        async def drain(sink: asyncio.Queue) -> None:
+            while not (await sink.get()).finished:
+                pass
+
+        await asyncio.gather(*(drain(sink) for sink in sinks))
+        loop.stop()
+
+    asyncio.run(serve())
+    llm.close()
+    gaps = [b - a for a, b in zip(starts[warm:], starts[warm + 1:warm + steps + 1])]
+    return {"step": sum(gaps) / len(gaps) * 1e3}
+
+
+def time_steps(context: int, seqs: int, steps: int, warm: int, final_only: bool) -> dict[str, float]:
+    """Mean ms per decode step, whole and by part, of `seqs` sequences whose prompts are `context` tokens;
+    `final_only` False: every step returns each request's output (as the server's requests are run)."""
+    llm, prompts, params = stubbed_llm(context, seqs, warm + 2 * steps)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params, final_only=final_only)
     while engine.scheduler.waiting or any(s.num_computed < s.prompt_len for s in engine.scheduler.running):
         engine.step()
     for _ in range(warm):
@@ -88,12 +135,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
-    print("| context | step ms | " + " | ".join(PARTS.values()) + " |\n| --- | --- |" + " --- |" * len(PARTS))
+    print("| context | outputs | step ms | " + " | ".join(PARTS.values()) + " |\n| --- | --- | --- |"
+          + " --- |" * len(PARTS))
     for context in (int(c) for c in args.contexts.split(",")):
-        row = {"context": context, **{k: round(v, 4) for k, v in time_steps(context, args.seqs, args.steps,
-                                                                             args.warm).items()}}
-        rows.append(row)
-        print(f"| {context:,} | {row['step']:.3f} | " + " | ".join(f"{row[p]:.3f}" for p in PARTS.values()) + " |")
+        for outputs in ("final", "every step", "server"):
+            if outputs == "server":
+                times = time_served(context, args.seqs, args.steps, args.warm)
+            else:
+                times = time_steps(context, args.seqs, args.steps, args.warm, final_only=outputs == "final")
+            row = {"context": context, "outputs": outputs, **{k: round(v, 4) for k, v in times.items()}}
+            rows.append(row)
+            print(f"| {context:,} | {outputs} | {row['step']:.3f} | "
+                  + " | ".join(f"{row[p]:.3f}" if p in row else "" for p in PARTS.values()) + " |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"seqs": args.seqs, "steps": args.steps, "rows": rows}, indent=1))

@@ -75,6 +75,7 @@ class RequestState:
     stop_reasons: list[str | int | None] = field(default_factory=list)
     matchers: list = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -97,7 +98,8 @@ class OutputProcessor:
         tokens, as vLLM's: a character begun in the prompt is completed by the completion's first token), an empty
         logprob list and a grammar matcher (when guided) per completion, room for the prompt logprobs when asked
         for."""
-        state = RequestState(request_id, prompt, params, final_only=final_only, seqs=list(seqs))
+        state = RequestState(request_id, prompt, params, final_only=final_only, seqs=list(seqs),
+                             prompt_token_ids=seqs[0].token_ids[: seqs[0].prompt_len])
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * prompt_len
         first = state.seqs[0]
@@ -239,11 +241,10 @@ class OutputProcessor:
                              num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens)
             for i, (seq, text) in enumerate(zip(state.seqs, state.texts))
         ]
-        first = state.seqs[0]
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
-            prompt_token_ids=first.token_ids[: first.prompt_len],
+            prompt_token_ids=state.prompt_token_ids,
             outputs=completions,
             num_cached_tokens=min(c.num_cached_tokens for c in completions),
             finished=state.finished,

@@ -7,11 +7,12 @@
     await check(clear_cache)       --- _Check --->   engine.check_integrity (idle only)
     await call(fn)                 --- _Call ---->   fn(engine) between steps (reads of the prefix cache)
                                                      while requests are unfinished: engine.step()
-    per-request asyncio.Queue      <-- outputs ---   loop.call_soon_threadsafe(_put_latest, queue, output)
+    per-request asyncio.Queue      <-- outputs ---   loop.call_soon_threadsafe(_put_each, [(queue, output), ...])
 
 Commands are drained before every step, so every request that arrived meanwhile joins the next step's batch,
 and a batch of prompts (one `_Add`) is queued whole: all its prompts join the same step, or none is queued (a
 bad prompt, or `max_queued_requests` waiting sequences: `QueueFull`).
+A step's outputs go over in one call (each call wakes the event loop, which then takes the GIL from this thread).
 Each item on a request's queue is a `RequestOutput` (the last one has `finished` set), an `EngineFailure` (the
 engine raised; the request was aborted) or a `RequestTimeout` (it ran past `request_timeout_s`; aborted). An output
 takes the place of those its handler has not taken yet (each holds everything so far, as vLLM's
@@ -381,7 +382,10 @@ class EngineLoop:
                 stream.started = step_start
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Count a step's outputs and hand each to its request's handler, all in one call into the event loop
+        (each call wakes the loop, which then takes the GIL from this thread: one a step, not one a request)."""
         now = time.perf_counter()
+        sent: list[tuple[asyncio.Queue, RequestOutput]] = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -398,7 +402,9 @@ class EngineLoop:
             if output.finished:
                 del self._streams[output.request_id]
                 self._record_finish(stream, output)
-            self._send(stream, output)
+            sent.append((stream.sink, output))
+        if sent:
+            self._call_soon(_put_each, sent)
 
     def _count_tokens(self, stream: _Stream, completion: _Completion, num_tokens: int, now: float) -> None:
         """A completion's tokens after a step: its first token (TTFT from the request's arrival) or the time since
@@ -567,6 +573,12 @@ def _put_latest(sink: asyncio.Queue, item: RequestOutput | Exception) -> None:
         if isinstance(held, Exception):
             item = held
     sink.put_nowait(item)
+
+
+def _put_each(sent: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """`_put_latest` of each (queue, output) in order."""
+    for sink, item in sent:
+        _put_latest(sink, item)
 
 
 def _phases(stream: _Stream, completion: _Completion) -> RequestPhases:

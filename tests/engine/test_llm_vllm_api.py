@@ -324,3 +324,20 @@ def test_vllms_optional_values_progress_callable_and_a_bad_params_entry(llm):
     with pytest.raises(TypeError, match=r"sampling_params\[1\] must be a SamplingParams, got dict"):
         llm.generate(["a", "b"], [GREEDY, {"max_tokens": 1}], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_every_step_output_of_a_request_hands_out_its_prompt_ids_and_only_them(llm):
+    """A streaming request's step outputs carry `prompt_token_ids` equal to its prompt at every step, with none of
+    the tokens generated since, and all of them one list (`RequestState.prompt_token_ids`: made once, not a copy
+    of the whole prompt per step), for each of n completions."""
+    engine = llm.engine
+    prompt = llm.tokenizer.encode("A prompt whose ids every streamed output repeats, word by word")
+    engine.add_request("stream-ids", prompt, SamplingParams(temperature=0, max_tokens=5, n=2, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [out for out in engine.step() if out.request_id == "stream-ids"]
+    assert len(outputs) >= 5 and outputs[-1].finished
+    assert all(out.prompt_token_ids == prompt for out in outputs)
+    assert len({id(out.prompt_token_ids) for out in outputs}) == 1
+    assert [len(c.token_ids) for c in outputs[-1].outputs] == [5, 5]
+    engine.check_integrity()
