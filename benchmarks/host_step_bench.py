@@ -7,7 +7,8 @@ the stubbed forward, queueing the sampling), `_complete` (the sampled tokens int
 the cache's `accept`, outputs). Contexts of 1,100 and 16,000 tokens (the prompts are fed as stubbed prefill steps,
 then every step is a decode step of 64 rows), each with its requests' outputs returned once at the end (`final_only`,
 as `LLM.generate` runs them) and at every step, and run by the server's engine thread (`EngineLoop`, its metrics,
-one asyncio handler per request draining its outputs: the time between the thread's decode steps). Mean over the
+one asyncio handler per request draining its outputs: the time between the thread's decode steps), streamed and
+not (`final_only`). Mean over the
 timed steps, after untimed ones.
 
     .venv/bin/python benchmarks/host_step_bench.py                  # prints a table, writes results/host_step.json
@@ -59,9 +60,10 @@ def stubbed_llm(context: int, seqs: int, max_tokens: int) -> tuple[LLM, list[lis
     return llm, prompts, SamplingParams(max_tokens=max_tokens + 4, ignore_eos=True, temperature=0.0)
 
 
-def time_served(context: int, seqs: int, steps: int, warm: int) -> dict[str, float]:
+def time_served(context: int, seqs: int, steps: int, warm: int, final_only: bool) -> dict[str, float]:
     """Mean ms between the engine thread's decode steps when the server's `EngineLoop` runs the requests (with
-    its metrics) and one asyncio handler per request drains its output queue, as a streaming handler does."""
+    its metrics) and one asyncio handler per request drains its output queue; `final_only`: as the server runs a
+    request that is not streamed."""
     llm, prompts, params = stubbed_llm(context, seqs, warm + 2 * steps)
     engine = llm.engine
     starts: list[float] = []
@@ -77,7 +79,7 @@ def time_served(context: int, seqs: int, steps: int, warm: int) -> dict[str, flo
     async def serve() -> None:
         loop = EngineLoop(engine, metrics=ServerMetrics())
         loop.start()
-        sinks = await loop.add_many([str(i) for i in range(seqs)], prompts, params)
+        sinks = await loop.add_many([str(i) for i in range(seqs)], prompts, params, final_only=final_only)
 
         async def drain(sink: asyncio.Queue) -> None:
             while not (await sink.get()).finished:
@@ -138,9 +140,10 @@ def main() -> None:
     print("| context | outputs | step ms | " + " | ".join(PARTS.values()) + " |\n| --- | --- | --- |"
           + " --- |" * len(PARTS))
     for context in (int(c) for c in args.contexts.split(",")):
-        for outputs in ("final", "every step", "server"):
-            if outputs == "server":
-                times = time_served(context, args.seqs, args.steps, args.warm)
+        for outputs in ("final", "every step", "server, streamed", "server, not streamed"):
+            if outputs.startswith("server"):
+                streamed = not outputs.endswith("not streamed")
+                times = time_served(context, args.seqs, args.steps, args.warm, final_only=not streamed)
             else:
                 times = time_steps(context, args.seqs, args.steps, args.warm, final_only=outputs == "final")
             row = {"context": context, "outputs": outputs, **{k: round(v, 4) for k, v in times.items()}}

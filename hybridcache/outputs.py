@@ -58,3 +58,17 @@ class RequestOutput:
     encoder_prompt: None = None
     encoder_prompt_token_ids: None = None
     kv_transfer_params: None = None
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    """What one step did for a `final_only` request that is still running, whose output comes only when it ends
+    (`LLMEngine.step_progress`): each completion's output tokens so far and whether it has ended, and the prompt's
+    and the cached tokens' counts as its `RequestOutput` would give them. For a caller that times tokens (the
+    server's time to first token and inter-token latency) without building outputs every step."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: tuple[int, ...]
+    finished: tuple[bool, ...]

@@ -80,7 +80,7 @@ from hybridcache.models.builtin import ensure_builtin_model, model_display_name
 from hybridcache.models.quant import describe_weights
 from hybridcache.models.vision_loader import has_vision_tower
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
-from hybridcache.outputs import RequestOutput
+from hybridcache.outputs import RequestOutput, RequestProgress
 from hybridcache.sampling import PendingSample, SamplingParams, make_generator, sample_async, stop_tokens, to_device
 from hybridcache.scheduler.output import ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import checkpoint_policy
@@ -315,6 +315,7 @@ class LLMEngine:
         tokenizer_eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         self.eos_token_ids = frozenset((*self.model_config.eos_token_ids, *tokenizer_eos))
         self._requests: dict[str, RequestState] = {}
+        self._progress: list[RequestState] = []  # the last step's final_only requests with tokens (`step_progress`)
         self._seq_counter = itertools.count()
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)  # the seeds of completions without their own (vLLM's engine seed)
@@ -473,6 +474,7 @@ class LLMEngine:
         held, self._plan_error = self._plan_error, None
         if held is not None:
             raise held
+        self._progress = []
         try:
             outputs, plan_error = self._step()
         except BaseException as error:  # the step's bookkeeping was cut short: see EngineDeadError
@@ -830,15 +832,27 @@ class LLMEngine:
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         """The outputs of the requests a step touched (a streaming request's every step, a `final_only` one's
-        last); finished requests are forgotten."""
+        last; the others' progress goes to `step_progress`); finished requests are forgotten."""
         outputs = []
         for request_id, request in touched.items():
             finished = request.finished
             if finished or not request.final_only:
                 outputs.append(self.output_processor.output(request))
+            else:
+                self._progress.append(request)
             if finished:
                 del self._requests[request_id]
         return outputs
+
+    def step_progress(self) -> list[RequestProgress]:
+        """The `final_only` requests still running that the last `step()` gave tokens (their outputs come only
+        when they end), in the order their outputs would have come. Read it before the next `step()` (it is
+        built from the requests as they are now: the next step moves them on)."""
+        return [RequestProgress(request.request_id, len(request.prompt_token_ids),
+                                min(seq.num_cached or 0 for seq in request.seqs),
+                                tuple(seq.num_tokens - seq.prompt_len for seq in request.seqs),
+                                tuple(seq.finish_reason is not None for seq in request.seqs))
+                for request in self._progress]
 
     def _sample_deferred(self, launched: _Launched) -> None:
         """Queue the sampling that `_launch` left for after the step before was postprocessed: every grammar has

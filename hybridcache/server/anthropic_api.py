@@ -171,7 +171,7 @@ class _Messages:
         with admission_errors(lambda: loop.abort(message_id),
                               lambda message: messages_param(chat_body.engine_error_param(message))):
             sink = await loop.add(message_id, chat.prompt_ids, chat.params, chat.mm_inputs, chat.checkpoints_at,
-                                  cache_salt=chat_body.cache_salt)
+                                  cache_salt=chat_body.cache_salt, final_only=not body.stream)
         from hybridcache.server.app import request_outputs  # app imports this module
 
         timeout = routes.config.limits.request_timeout_s

@@ -515,7 +515,7 @@ class _Routes:
             # all join one step, or none is queued (`mm_inputs`: a chat's images, so of its one prompt)
             sinks = await loop.add_many(request_ids, prompts, params, [mm_inputs] * len(prompts),
                                         [checkpoints_at] * len(prompts), echo_only=rendering.echo_only,
-                                        cache_salt=body.cache_salt)
+                                        cache_salt=body.cache_salt, final_only=not body.stream)
         timeout = self.config.limits.request_timeout_s
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         outputs = _merged([request_outputs(sink, rendering, deadline) for sink in sinks])

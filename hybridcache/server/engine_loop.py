@@ -32,11 +32,12 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hybridcache.engine.engine import EngineDeadError
-from hybridcache.outputs import RequestOutput
+from hybridcache.outputs import RequestOutput, RequestProgress
 from hybridcache.sampling import SamplingParams
 from hybridcache.server import log_limits
 from hybridcache.server.engine_state import EngineState, check_engine, read_engine_state
@@ -70,6 +71,7 @@ class _Add:
     arrival: float  # perf_counter() when the event loop queued them (TTFT, e2e and the deadline count from here)
     echo_only: bool = False  # `max_tokens: 0` with echo: the one token each asks for is no generated token
     cache_salt: str | None = None  # every prompt's `LLMEngine.add_request` cache_salt (the request body's)
+    final_only: bool = False  # not streamed: the engine's `final_only` (its queue gets the final output only)
 
 
 @dataclass
@@ -118,7 +120,6 @@ class _Stream:
     started: float | None = None  # the start of the first step that computed it
     prompt_counted: bool = False  # its prompt and cached tokens are in the counters (`_count_prompt`)
     completions: list[_Completion] = field(default_factory=list)
-    last_output: RequestOutput | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -167,21 +168,26 @@ class EngineLoop:
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                   mm_inputs: tuple = (), checkpoints_at: tuple[int, ...] = (),
-                  echo_only: bool = False, *, cache_salt: str | None = None) -> asyncio.Queue:
-        """Queue one request (`mm_inputs`: its image spans; `checkpoints_at`, `echo_only`, `cache_salt`: see
-        `add_many`); returns its output queue (see `add_many`)."""
+                  echo_only: bool = False, *, cache_salt: str | None = None,
+                  final_only: bool = False) -> asyncio.Queue:
+        """Queue one request (`mm_inputs`: its image spans; `checkpoints_at`, `echo_only`, `cache_salt`,
+        `final_only`: see `add_many`); returns its output queue (see `add_many`)."""
         return (await self.add_many([request_id], [prompt], params, [mm_inputs], [checkpoints_at], echo_only,
-                                    cache_salt=cache_salt))[0]
+                                    cache_salt=cache_salt, final_only=final_only))[0]
 
     async def add_many(self, request_ids: list[str], prompts: list[str | list[int]], params: SamplingParams,
                        mm_inputs: list[tuple] | None = None, checkpoints_at: list[tuple[int, ...]] | None = None,
-                       echo_only: bool = False, *, cache_salt: str | None = None) -> list[asyncio.Queue]:
+                       echo_only: bool = False, *, cache_salt: str | None = None,
+                       final_only: bool = False) -> list[asyncio.Queue]:
         """Queue one request per prompt (`mm_inputs[i]`: prompt i's image spans, encoded on the engine thread;
         `checkpoints_at[i]`: prompt i's steps where later prompts will part from it, `LLMEngine.add_request`'s
         `checkpoints_at`), all in the same command drain (so they join the same step); returns their output
         queues. `echo_only`: completions' `max_tokens: 0` with echo, whose one sampled token no choice shows: the
         generation counters count 0 tokens for them, as `usage` does. `cache_salt`: the request body's (vLLM's
-        field), given to every prompt's `LLMEngine.add_request` (a bad one is its ValueError). Their arrival (TTFT,
+        field), given to every prompt's `LLMEngine.add_request` (a bad one is its ValueError). `final_only`: the
+        requests are not streamed: each queue gets its request's final output only (the engine's `final_only`:
+        no output is built at the steps before; their tokens are still timed, from `LLMEngine.step_progress`).
+        Their arrival (TTFT,
         e2e, the request timeout) is now, even when the engine thread is busy with a step. All or nothing: raises
         the engine's ValueError/TypeError for a bad one, QueueFull when the waiting sequences would pass
         `max_queued_requests`, EngineFailure when the engine is dead."""
@@ -193,7 +199,7 @@ class EngineLoop:
         spans = list(mm_inputs) if mm_inputs is not None else [() for _ in request_ids]
         hints = list(checkpoints_at) if checkpoints_at is not None else [() for _ in request_ids]
         self._commands.put(_Add(list(request_ids), list(prompts), params, sinks, done, spans, hints, arrival,
-                                echo_only, cache_salt))
+                                echo_only, cache_salt, final_only))
         await done
         return sinks
 
@@ -292,7 +298,7 @@ class EngineLoop:
                     # the state the step left, published before its outputs go out: a client holding its answer
                     # reads gauges that count its end (vllm:kv_cache_usage_perc 0 once nothing runs)
                     self._publish_state()
-                    self._dispatch(outputs)
+                    self._dispatch(outputs, engine.step_progress())
                     self._expire()
                     self._log_stats()
                     continue
@@ -356,7 +362,7 @@ class EngineLoop:
             for request_id, prompt, spans, hints in zip(command.request_ids, command.prompts, command.mm_inputs,
                                                         command.checkpoints_at):
                 engine.add_request(request_id, prompt, command.params, spans, checkpoints_at=hints,
-                                   cache_salt=command.cache_salt)
+                                   cache_salt=command.cache_salt, final_only=command.final_only)
                 added.append(request_id)
         except Exception as error:  # noqa: BLE001 - handed to the caller
             for request_id in added:
@@ -381,30 +387,43 @@ class EngineLoop:
                                            or (has_started is not None and has_started(request_id))):
                 stream.started = step_start
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        """Count a step's outputs and hand each to its request's handler, all in one call into the event loop
-        (each call wakes the loop, which then takes the GIL from this thread: one a step, not one a request)."""
+    def _dispatch(self, outputs: list[RequestOutput], progress: list[RequestProgress]) -> None:
+        """Count a step's tokens (`outputs`, and the `progress` of requests that are not streamed) and hand each
+        output to its request's handler, all in one call into the event loop (each call wakes the loop, which then
+        takes the GIL from this thread: one a step, not one a request)."""
         now = time.perf_counter()
+        for step in progress:
+            stream = self._streams.get(step.request_id)
+            if stream is not None:
+                self._count_step(stream, zip(step.num_output_tokens, step.finished), step.num_prompt_tokens,
+                                 step.num_cached_tokens, now)
         sent: list[tuple[asyncio.Queue, RequestOutput]] = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            while len(stream.completions) < len(output.outputs):
-                stream.completions.append(_Completion())
-            for completion, produced in zip(stream.completions, output.outputs):
-                self._count_tokens(stream, completion, len(produced.token_ids), now)
-                if produced.finish_reason is not None and completion.finish_time is None:
-                    completion.finish_time = now
-            if not stream.prompt_counted and all(c.num_tokens for c in stream.completions):
-                self._count_prompt(stream, output)
-            stream.last_output = output
+            self._count_step(stream, [(len(c.token_ids), c.finish_reason is not None) for c in output.outputs],
+                             len(output.prompt_token_ids), output.num_cached_tokens, now)
             if output.finished:
                 del self._streams[output.request_id]
                 self._record_finish(stream, output)
             sent.append((stream.sink, output))
         if sent:
             self._call_soon(_put_each, sent)
+
+    def _count_step(self, stream: _Stream, completions: Iterable[tuple[int, bool]], num_prompt_tokens: int,
+                    num_cached_tokens: int, now: float) -> None:
+        """A request's tokens after a step: each completion's (output tokens so far, whether it has ended), and
+        its prompt's and cached tokens (counted once every completion has its first token)."""
+        for i, (num_tokens, ended) in enumerate(completions):
+            if i == len(stream.completions):
+                stream.completions.append(_Completion())
+            completion = stream.completions[i]
+            self._count_tokens(stream, completion, num_tokens, now)
+            if ended and completion.finish_time is None:
+                completion.finish_time = now
+        if not stream.prompt_counted and all(c.num_tokens for c in stream.completions):
+            self._count_prompt(stream, num_prompt_tokens, num_cached_tokens)
 
     def _count_tokens(self, stream: _Stream, completion: _Completion, num_tokens: int, now: float) -> None:
         """A completion's tokens after a step: its first token (TTFT from the request's arrival) or the time since
@@ -426,14 +445,14 @@ class EngineLoop:
         if completion.first_token_time is None:
             completion.first_token_time = now
 
-    def _count_prompt(self, stream: _Stream, output: RequestOutput) -> None:
+    def _count_prompt(self, stream: _Stream, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         """Count the request's prompt and cached tokens (as `usage` reports them) in the metrics, as vLLM does at
         its first token: here once every completion has its first token (each of `n` was admitted, so the cached
         tokens, the least of theirs, are final), or at the end of a request that ended before. (The stats line's
         hit rate still counts requests that ended.)"""
         stream.prompt_counted = True
         if self._metrics is not None:
-            self._metrics.prompt_computed(len(output.prompt_token_ids), output.num_cached_tokens)
+            self._metrics.prompt_computed(num_prompt_tokens, num_cached_tokens)
 
     def _abort(self, request_id: str) -> tuple[_Stream | None, RequestOutput | None]:
         """Abort one request in the engine, forget its stream and count its end; its stream and the engine's
@@ -504,7 +523,7 @@ class EngineLoop:
         self._queried += len(output.prompt_token_ids)
         self._hit += output.num_cached_tokens
         if not stream.prompt_counted:  # it ended before its first token
-            self._count_prompt(stream, output)
+            self._count_prompt(stream, len(output.prompt_token_ids), output.num_cached_tokens)
         if self._metrics is None:
             return
         now = time.perf_counter()

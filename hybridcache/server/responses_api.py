@@ -438,7 +438,7 @@ class _Responses:
         loop = routes.engine_loop
         with admission_errors(lambda: loop.abort(response_id), lambda _: "input"):
             sink = await loop.add(response_id, chat.prompt_ids, chat.params, chat.mm_inputs, chat.checkpoints_at,
-                                  cache_salt=body.cache_salt)
+                                  cache_salt=body.cache_salt, final_only=not body.stream)
         from hybridcache.server.app import request_outputs  # app imports this module
 
         timeout = routes.config.limits.request_timeout_s

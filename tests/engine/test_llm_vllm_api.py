@@ -341,3 +341,33 @@ def test_every_step_output_of_a_request_hands_out_its_prompt_ids_and_only_them(l
     assert len({id(out.prompt_token_ids) for out in outputs}) == 1
     assert [len(c.token_ids) for c in outputs[-1].outputs] == [5, 5]
     engine.check_integrity()
+
+
+def test_a_final_only_request_reports_its_progress_each_step_and_one_output_at_its_end(llm):
+    """`final_only` requests build no output until they end; `step_progress` gives, after each step that gave them
+    tokens, what their output would have said: each completion's output tokens so far, whether it ended, the
+    prompt's and the cached tokens (the server times their tokens from it). Checked against the same request run
+    streamed on the same cache state (cleared before each run)."""
+    engine = llm.engine
+    prompt = llm.tokenizer.encode("Progress without outputs, counted step by step for the latency metrics")
+    params = SamplingParams(temperature=0, max_tokens=6, n=2, ignore_eos=True)
+    runs = {}
+    for final_only in (False, True):
+        engine.clear_cache()
+        engine.add_request("r", prompt, params, final_only=final_only)
+        steps, outputs = [], []
+        while engine.has_unfinished_requests():
+            step_outputs = engine.step()
+            outputs += step_outputs
+            progress = engine.step_progress()
+            assert not (final_only and progress and outputs), "progress after the final output"
+            steps += [(len(out.prompt_token_ids), out.num_cached_tokens,
+                       tuple(len(c.token_ids) for c in out.outputs),
+                       tuple(c.finish_reason is not None for c in out.outputs)) for out in step_outputs]
+            steps += [(p.num_prompt_tokens, p.num_cached_tokens, p.num_output_tokens, p.finished) for p in progress]
+        runs[final_only] = steps
+        assert len(outputs) == (1 if final_only else len(steps)) and outputs[-1].finished
+        assert [len(c.token_ids) for c in outputs[-1].outputs] == [6, 6]
+    assert runs[True] == runs[False]
+    assert len(runs[True]) >= 6 and runs[True][0][0] == len(prompt)
+    engine.check_integrity()

@@ -37,12 +37,12 @@ class StandInLoop:
         self.full = full
         self.aborted: list[str] = []
 
-    async def add(self, request_id, prompt, params, mm_inputs=(), checkpoints_at=(), *, cache_salt=None
-                  ) -> asyncio.Queue:
+    async def add(self, request_id, prompt, params, mm_inputs=(), checkpoints_at=(), *, cache_salt=None,
+                  final_only=False) -> asyncio.Queue:
         return (await self.add_many([request_id], [prompt], params, [mm_inputs], [checkpoints_at]))[0]
 
     async def add_many(self, request_ids, prompts, params, mm_inputs=None, checkpoints_at=None, echo_only=False, *,
-                       cache_salt=None):
+                       cache_salt=None, final_only=False):
         if self.full:
             raise QueueFull("the server is busy (--max-queued-requests)")
         return [asyncio.Queue() for _ in request_ids]
@@ -123,7 +123,7 @@ class ScriptedLoop(StandInLoop):
         self.prompts: list[list[int]] = []
 
     async def add_many(self, request_ids, prompts, params, mm_inputs=None, checkpoints_at=None, echo_only=False, *,
-                       cache_salt=None):
+                       cache_salt=None, final_only=False):
         sinks = []
         for request_id, prompt in zip(request_ids, prompts):
             self.prompts.append(list(prompt))

@@ -361,16 +361,22 @@ def test_the_request_timeout_counts_from_the_arrival():
     assert 1.5 <= ended["B"] < 2.5, ended  # was ~2.9 s: 1.5 s after its pickup, and a step more
 
 
-def test_n_completions_are_observed_each_in_the_latency_histograms():
+@pytest.mark.parametrize("final_only", [False, True], ids=["streamed", "not-streamed"])
+def test_n_completions_are_observed_each_in_the_latency_histograms(final_only):
     """vLLM runs n > 1 as n child requests, each observed on its own: the latency histograms counted one
-    observation per request while vllm:request_success_total and the token histograms counted n."""
+    observation per request while vllm:request_success_total and the token histograms counted n. A request that
+    is not streamed (`final_only`: its queue gets only the final output) is timed the same, from the engine's
+    `step_progress`."""
     from hybridcache.sampling import SamplingParams
 
     async def scenario(loop) -> None:
         sink = await loop.add("n3", list(range(3, 30)), SamplingParams(n=3, temperature=1, seed=7, max_tokens=4,
-                                                                       ignore_eos=True))
+                                                                       ignore_eos=True), final_only=final_only)
         outputs = await _until_finished(sink)
         assert [len(c.token_ids) for c in outputs[-1].outputs] == [4, 4, 4]
+        if final_only:
+            assert len(outputs) == 1
+        await loop.call(lambda engine: engine.check_integrity())
 
     text = _run_on_engine_loop(4, scenario).render().decode()
     assert metric_value(text, "vllm:request_success_total") == 3
@@ -381,6 +387,7 @@ def test_n_completions_are_observed_each_in_the_latency_histograms():
         assert metric_value(text, f"{name}_count") == 3, name
     assert metric_value(text, "vllm:inter_token_latency_seconds_count") == 3 * 3  # 4 tokens: 3 gaps each
     assert metric_value(text, "vllm:generation_tokens_total") == 12
+    assert metric_value(text, "vllm:prompt_tokens_total") == 27
 
 
 def test_echo_only_requests_count_no_generated_tokens():
