@@ -390,8 +390,10 @@ class EngineLoop:
     def _dispatch(self, outputs: list[RequestOutput], progress: list[RequestProgress]) -> None:
         """Count a step's tokens (`outputs`, and the `progress` of requests that are not streamed) and hand each
         output to its request's handler, all in one call into the event loop (each call wakes the loop, which then
-        takes the GIL from this thread: one a step, not one a request)."""
+        takes the GIL from this thread: one a step, not one a request). The generation counters take the step's
+        tokens in one increment."""
         now = time.perf_counter()
+        generated = self._generated
         for step in progress:
             stream = self._streams.get(step.request_id)
             if stream is not None:
@@ -408,6 +410,8 @@ class EngineLoop:
                 del self._streams[output.request_id]
                 self._record_finish(stream, output)
             sent.append((stream.sink, output))
+        if self._metrics is not None and self._generated > generated:
+            self._metrics.generation_tokens.inc(self._generated - generated)
         if sent:
             self._call_soon(_put_each, sent)
 
@@ -427,7 +431,8 @@ class EngineLoop:
 
     def _count_tokens(self, stream: _Stream, completion: _Completion, num_tokens: int, now: float) -> None:
         """A completion's tokens after a step: its first token (TTFT from the request's arrival) or the time since
-        its previous token step (ITL), and the new tokens in the generation counters (none for echo-only)."""
+        its previous token step (ITL), and the new tokens in `_generated` (none for echo-only; `_dispatch` adds the
+        step's to the generation counters)."""
         num_new = num_tokens - completion.num_tokens
         if num_new <= 0:
             return
@@ -436,8 +441,6 @@ class EngineLoop:
                 self._metrics.ttft.observe(now - stream.arrival)
             else:
                 self._metrics.itl.observe(now - completion.last_token_time)
-            if not stream.echo_only:
-                self._metrics.generation_tokens.inc(num_new)
         if not stream.echo_only:
             self._generated += num_new
         completion.num_tokens = num_tokens
