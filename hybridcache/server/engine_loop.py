@@ -187,10 +187,9 @@ class EngineLoop:
         field), given to every prompt's `LLMEngine.add_request` (a bad one is its ValueError). `final_only`: the
         requests are not streamed: each queue gets its request's final output only (the engine's `final_only`:
         no output is built at the steps before; their tokens are still timed, from `LLMEngine.step_progress`).
-        Their arrival (TTFT,
-        e2e, the request timeout) is now, even when the engine thread is busy with a step. All or nothing: raises
-        the engine's ValueError/TypeError for a bad one, QueueFull when the waiting sequences would pass
-        `max_queued_requests`, EngineFailure when the engine is dead."""
+        Their arrival (TTFT, e2e, the request timeout) is now, even when the engine thread is busy with a step.
+        All or nothing: raises the engine's ValueError/TypeError for a bad one, QueueFull when the waiting
+        sequences would pass `max_queued_requests`, EngineFailure when the engine is dead."""
         arrival = time.perf_counter()
         if not self.running:
             raise EngineFailure("the engine is not running")
