@@ -2,11 +2,12 @@
 
 A real server (uvicorn, the app, the engine thread; `tests/server/inprocess_server.serving`) runs the built-in
 model on the CPU with `ModelRunner.execute` returning fixed logits (`host_step_bench.stub_forward`), so what is
-timed is the host: the engine's step, the engine thread's bookkeeping and the event loop's handlers (SSE chunks for
-streamed requests). A client process sends 64 `/v1/completions` requests at once (1,100 prompt tokens, 400
-generated, greedy, `ignore_eos`). Printed per mode: the median and mean time between the engine thread's steps
-while all 64 run, the server process's CPU time per step, the client's wall time. The client shares the machine's
-cores with the server: on a machine with few cores its own work slows the server's.
+timed is the host: the engine's step, the engine thread's bookkeeping and the event loop's handlers (SSE chunks
+for streamed requests, every step and with `--stream-interval 4`). A client process sends 64 `/v1/completions`
+requests at once (1,100 prompt tokens, 400 generated, greedy, `ignore_eos`). Printed per mode: the median and
+mean time between the engine thread's steps while all 64 run, the server process's CPU time per step, the
+client's wall time. The client shares the machine's cores with the server: on a machine with few cores its own
+work slows the server's.
 
     .venv/bin/python benchmarks/server_step_bench.py          # prints a table, writes results/server_step.json
 """
@@ -47,8 +48,9 @@ async def _client(base_url: str, model: str, stream: bool) -> None:
         await asyncio.gather(*(one(c, i) for i in range(SEQS)))
 
 
-def serve_once(stream: bool) -> dict[str, float]:
-    """One server, one client run; the step figures of the engine thread while all SEQS run."""
+def serve_once(stream: bool, stream_interval: int = 1) -> dict[str, float]:
+    """One server (`--stream-interval stream_interval`), one client run; the step figures of the engine thread while
+    all SEQS run."""
     sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys.path]
     import httpx
     from host_step_bench import stub_forward
@@ -66,7 +68,7 @@ def serve_once(stream: bool) -> dict[str, float]:
 
     LLMEngine.step = timed_step
     config = EngineConfig(block_size=16, max_model_len=4096, num_blocks=SEQS * (PROMPT + TOKENS) // 16 + 512,
-                          max_num_seqs=SEQS)
+                          max_num_seqs=SEQS, **({"stream_interval": stream_interval} if stream_interval > 1 else {}))
     with serving(config) as base_url:
         models = httpx.get(f"{base_url}/v1/models").json()["data"]
         stub_forward(320, token=7)  # (the built-in model's vocabulary)
@@ -97,11 +99,17 @@ def main() -> None:
     print("| requests | median step ms | mean step ms | server CPU ms a step | client wall s |")
     print("| --- | --- | --- | --- | --- |")
     for _ in range(args.runs):
-        for stream in (True, False):
-            row = {"stream": stream, **{k: round(v, 3) for k, v in serve_once(stream).items()}}
+        for stream, interval in ((True, 1), (True, 4), (False, 1)):
+            try:
+                times = serve_once(stream, interval)
+            except TypeError as error:  # a tree from before `stream_interval`
+                print(f"| streamed, --stream-interval {interval} | not in this tree: {error} |")
+                continue
+            row = {"stream": stream, "stream_interval": interval, **{k: round(v, 3) for k, v in times.items()}}
             rows.append(row)
-            print(f"| {'streamed' if stream else 'not streamed'} | {row['median_step_ms']:.2f} | "
-                  f"{row['mean_step_ms']:.2f} | {row['cpu_ms_per_step']:.2f} | {row['client_wall_s']:.2f} |")
+            name = f"streamed, --stream-interval {interval}" if stream else "not streamed"
+            print(f"| {name} | {row['median_step_ms']:.2f} | {row['mean_step_ms']:.2f} | "
+                  f"{row['cpu_ms_per_step']:.2f} | {row['client_wall_s']:.2f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"seqs": SEQS, "prompt": PROMPT, "tokens": TOKENS, "rows": rows}, indent=1))

@@ -116,6 +116,10 @@ class EngineConfig:
     in chunks of at most this many tokens. max_model_len: prompt + output limit (None = the model's length,
     `ModelConfig.max_model_len`; capped at 8192 on the CPU, where the pool is sized per sequence, not from a memory
     budget).
+    stream_interval: a request that is not `final_only` (a streamed one) gets its output at its first token, then
+    once any of its completions has this many tokens more than its last output showed, and when one ends (vLLM's
+    `--stream-interval`): a larger value builds and sends fewer outputs, less host work a step with many streams;
+    its tokens are still timed every step (`LLMEngine.step_progress`). 1: every step.
     gpu_memory_utilization: on CUDA, the fraction of the device's memory the engine may use in all (weights,
     activations, KV blocks and state slots; None = 0.9), its own share whatever other processes hold (as vLLM's);
     unused on the CPU. enforce_eager: never capture CUDA
@@ -168,6 +172,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cache_mode: str = "hybridcache"
     decode_checkpoint_interval: int | None = None
+    stream_interval: int = 1
     eviction: str = "lru"
     dtype: str = "float32"
     mamba_ssm_cache_dtype: str = "float32"
@@ -271,6 +276,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
+        if not is_integer(self.stream_interval) or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be a positive integer, got {self.stream_interval!r}")
         interval = self.decode_checkpoint_interval
         if interval is not None and (not is_integer(interval) or interval < 1 or interval % self.block_size):
             raise ValueError(f"decode_checkpoint_interval must be a multiple of block_size, got {interval}")

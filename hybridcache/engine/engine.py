@@ -836,13 +836,28 @@ class LLMEngine:
         outputs = []
         for request_id, request in touched.items():
             finished = request.finished
-            if finished or not request.final_only:
+            if finished or (not request.final_only and self._output_due(request)):
                 outputs.append(self.output_processor.output(request))
             else:
                 self._progress.append(request)
             if finished:
                 del self._requests[request_id]
         return outputs
+
+    def _output_due(self, request: RequestState) -> bool:
+        """Whether a streamed request gets an output at this step (`EngineConfig.stream_interval`): always with an
+        interval of 1; else at its first output, once a completion has `stream_interval` tokens more than the last
+        output showed, or when one has ended since. Interval 3, tokens after each step 1 2 3 4 5 6 7: outputs at
+        1, 4 and 7 (and at the request's end, whatever the count)."""
+        interval = self.config.stream_interval
+        if interval == 1:
+            return True
+        shown = tuple((seq.num_tokens - seq.prompt_len, seq.finish_reason is not None) for seq in request.seqs)
+        last = request.last_shown
+        if last and all(n - m < interval and ended == was for (n, ended), (m, was) in zip(shown, last)):
+            return False
+        request.last_shown = shown
+        return True
 
     def step_progress(self) -> list[RequestProgress]:
         """The `final_only` requests still running that the last `step()` gave tokens (their outputs come only

@@ -76,6 +76,7 @@ class RequestState:
     matchers: list = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    last_shown: tuple[tuple[int, bool], ...] = ()  # each completion's (tokens, ended) at its last streamed output
 
     @property
     def finished(self) -> bool:

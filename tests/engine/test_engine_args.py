@@ -160,3 +160,13 @@ def test_host_cache_gib_must_be_a_finite_number_at_least_zero():
     for bad in (-1.0, float("inf"), "2"):
         with pytest.raises(ValueError, match="host_cache_gib"):
             EngineConfig(host_cache_gib=bad)
+
+
+def test_stream_interval_flag_and_its_refusals():
+    """vLLM's `--stream-interval N` (default 1: every step) reaches the engine config; an interval below 1, or not
+    an integer, is refused naming the option."""
+    assert parse("--stream-interval", "8")["stream_interval"] == 8
+    assert parse()["stream_interval"] == EngineConfig().stream_interval == 1
+    for bad in (0, -2, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="stream_interval must be a positive integer"):
+            EngineConfig(stream_interval=bad)

@@ -371,3 +371,28 @@ def test_a_final_only_request_reports_its_progress_each_step_and_one_output_at_i
     assert runs[True] == runs[False]
     assert len(runs[True]) >= 6 and runs[True][0][0] == len(prompt)
     engine.check_integrity()
+
+
+def test_a_stream_interval_sends_a_streamed_request_every_n_tokens_and_times_the_rest():
+    """`stream_interval` 3 (vLLM's `--stream-interval`): a streamed request's outputs come at its first token, then
+    every 3 tokens and at its end; the steps between report its tokens in `step_progress`; the final output is the
+    one an interval of 1 gives."""
+    from hybridcache.config import EngineConfig
+    from hybridcache.engine.engine import LLMEngine
+
+    finals, shown = {}, {}
+    for interval in (1, 3):
+        engine = LLMEngine(None, EngineConfig(block_size=16, max_model_len=512, stream_interval=interval))
+        prompt = engine.tokenizer.encode("Streamed every few tokens, whole at the end")
+        engine.add_request("s", prompt, SamplingParams(temperature=0, max_tokens=11, ignore_eos=True))
+        counts, progress, outputs = [], [], []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+            progress += [p.num_output_tokens[0] for p in engine.step_progress()]
+        engine.check_integrity()
+        counts = [len(out.outputs[0].token_ids) for out in outputs]
+        finals[interval] = (outputs[-1].finished, outputs[-1].outputs[0].token_ids, outputs[-1].outputs[0].text)
+        shown[interval] = (counts, progress)
+    assert shown[1] == (list(range(1, 12)), [])
+    assert shown[3] == ([1, 4, 7, 10, 11], [2, 3, 5, 6, 8, 9])
+    assert finals[1] == finals[3]

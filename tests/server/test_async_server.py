@@ -3,6 +3,7 @@ completions, `n`, logprobs, stop strings, a client that hangs up mid-stream, and
 each equal to what the synchronous engine's server sends."""
 
 import dataclasses
+import json
 import time
 
 import httpx
@@ -53,3 +54,28 @@ def test_async_server_sends_what_the_synchronous_one_sends():
     sync, async_ = results
     assert async_["whole"] == sync["whole"] and async_["stream"] == sync["stream"] and async_["chat"] == sync["chat"]
     assert async_["cached"] >= sync["cached"] > 0
+
+
+def test_a_stream_interval_sends_fewer_chunks_of_the_same_text_and_times_every_token():
+    """`--stream-interval 4`: a streamed completion comes in chunks of up to 4 tokens (its first token alone, as
+    vLLM's), with the text, finish reason and usage of the every-step stream; the latency metrics still time every
+    token (12 tokens: 11 inter-token gaps)."""
+    from .server_process import metric_value
+
+    body = {"model": BUILTIN_NAME, "prompt": PROMPT + "in chunks", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    seen = {}
+    for interval in (1, 4):
+        with serving(dataclasses.replace(ENGINE, stream_interval=interval)) as base_url:
+            with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as response:
+                events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+            metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(event) for event in events[:-1]]
+        choices = [c["choices"][0] for c in chunks if c["choices"]]
+        seen[interval] = ("".join(c["text"] for c in choices), choices[-1]["finish_reason"], chunks[-1]["usage"],
+                          len(choices))
+        assert metric_value(metrics, "vllm:inter_token_latency_seconds_count") == 11
+        assert metric_value(metrics, "vllm:generation_tokens_total") == 12
+    assert seen[4][:3] == seen[1][:3] and seen[1][1] == "length"
+    assert seen[4][3] <= 4 < seen[1][3]  # outputs at tokens 1, 5, 9, 12 (a chunk only where text is shown)
