@@ -58,8 +58,9 @@ def test_async_server_sends_what_the_synchronous_one_sends():
 
 def test_a_stream_interval_sends_fewer_chunks_of_the_same_text_and_times_every_token():
     """`--stream-interval 4`: a streamed completion comes in chunks of up to 4 tokens (its first token alone, as
-    vLLM's), with the text, finish reason and usage of the every-step stream; the latency metrics still time every
-    token (12 tokens: 11 inter-token gaps)."""
+    vLLM's), with the text, finish reason and usage of the every-step stream, and a streamed chat's content is the
+    every-step stream's; the latency metrics still time every token (12 tokens: 11 inter-token gaps, counted
+    before the chat runs)."""
     from .server_process import metric_value
 
     body = {"model": BUILTIN_NAME, "prompt": PROMPT + "in chunks", "max_tokens": 12, "temperature": 0,
@@ -70,12 +71,16 @@ def test_a_stream_interval_sends_fewer_chunks_of_the_same_text_and_times_every_t
             with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as response:
                 events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
             metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
+            client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+            chat = client.chat.completions.create(model=BUILTIN_NAME, messages=[{"role": "user", "content": PROMPT}],
+                                                  max_tokens=10, temperature=0, stream=True)
+            chat_text = "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
         assert events[-1] == "[DONE]"
         chunks = [json.loads(event) for event in events[:-1]]
         choices = [c["choices"][0] for c in chunks if c["choices"]]
         seen[interval] = ("".join(c["text"] for c in choices), choices[-1]["finish_reason"], chunks[-1]["usage"],
-                          len(choices))
+                          chat_text, len(choices))
         assert metric_value(metrics, "vllm:inter_token_latency_seconds_count") == 11
         assert metric_value(metrics, "vllm:generation_tokens_total") == 12
-    assert seen[4][:3] == seen[1][:3] and seen[1][1] == "length"
-    assert seen[4][3] <= 4 < seen[1][3]  # outputs at tokens 1, 5, 9, 12 (a chunk only where text is shown)
+    assert seen[4][:4] == seen[1][:4] and seen[1][1] == "length" and seen[1][3]
+    assert seen[4][4] <= 4 < seen[1][4]  # outputs at tokens 1, 5, 9, 12 (a chunk only where text is shown)
