@@ -6,8 +6,8 @@ timed is the host: the engine's step, the engine thread's bookkeeping and the ev
 for streamed requests, every step and with `--stream-interval 4`). A client process sends 64 `/v1/completions`
 requests at once (1,100 prompt tokens, 400 generated, greedy, `ignore_eos`). Printed per mode: the median and
 mean time between the engine thread's steps while all 64 run, the server process's CPU time per step, the
-client's wall time. The client shares the machine's cores with the server: on a machine with few cores its own
-work slows the server's.
+client's wall time (after one untimed streamed run: a process's first is slower). The client shares the
+machine's cores with the server: on a machine with few cores its own work slows the server's.
 
     .venv/bin/python benchmarks/server_step_bench.py          # prints a table, writes results/server_step.json
 """
@@ -95,6 +95,7 @@ def main() -> None:
         url, model, stream = args.client
         asyncio.run(_client(url, model, stream == "True"))
         return
+    serve_once(True)  # untimed: the process's first server and connections run slower than the rest
     rows = []
     print("| requests | median step ms | mean step ms | server CPU ms a step | client wall s |")
     print("| --- | --- | --- | --- | --- |")
