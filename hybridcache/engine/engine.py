@@ -852,7 +852,7 @@ class LLMEngine:
         interval = self.config.stream_interval
         if interval == 1:
             return True
-        shown = tuple((seq.num_tokens - seq.prompt_len, seq.finish_reason is not None) for seq in request.seqs)
+        shown = request.shown()
         last = request.last_shown
         if last and all(n - m < interval and ended == was for (n, ended), (m, was) in zip(shown, last)):
             return False
@@ -863,11 +863,12 @@ class LLMEngine:
         """The `final_only` requests still running that the last `step()` gave tokens (their outputs come only
         when they end), in the order their outputs would have come. Read it before the next `step()` (it is
         built from the requests as they are now: the next step moves them on)."""
-        return [RequestProgress(request.request_id, len(request.prompt_token_ids),
-                                min(seq.num_cached or 0 for seq in request.seqs),
-                                tuple(seq.num_tokens - seq.prompt_len for seq in request.seqs),
-                                tuple(seq.finish_reason is not None for seq in request.seqs))
-                for request in self._progress]
+        progress = []
+        for request in self._progress:
+            counts, ended = zip(*request.shown())
+            progress.append(RequestProgress(request.request_id, len(request.prompt_token_ids),
+                                            min(seq.num_cached or 0 for seq in request.seqs), counts, ended))
+        return progress
 
     def _sample_deferred(self, launched: _Launched) -> None:
         """Queue the sampling that `_launch` left for after the step before was postprocessed: every grammar has

@@ -78,6 +78,10 @@ class RequestState:
     prompt_token_ids: list[int] = field(default_factory=list)
     last_shown: tuple[tuple[int, bool], ...] = ()  # each completion's (tokens, ended) at its last streamed output
 
+    def shown(self) -> tuple[tuple[int, bool], ...]:
+        """Each completion's output tokens so far and whether it has ended (what an output of it now would show)."""
+        return tuple((seq.num_tokens - seq.prompt_len, seq.finish_reason is not None) for seq in self.seqs)
+
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
