@@ -344,6 +344,57 @@ def sweep_experts(seqs: int) -> list[dict]:
     return results
 
 
+# the MoE routing and pair sort of a decode step: (experts, top-k) by model; route launches (rows per program, warps),
+# the first the engine's choice (`triton_route.launch`); sort warps, the first the engine's (`triton_sort.sort_warps`)
+ROUTE_SHAPES = {"next-1b": (16, 4), "next-16b": (32, 8), "80B-A3B": (512, 10)}
+ROUTE_LAUNCHES = ((None, None), (16, 4), (16, 2), (16, 1), (8, 4), (8, 2), (8, 1), (4, 4), (4, 2), (4, 1), (2, 1),
+                  (1, 1))
+SORT_WARPS = (None, 2, 4, 8)
+
+
+def sweep_moe_route(seqs: int) -> list[dict]:
+    """The MoE block's routing (`triton_route.route`, logits a strided view of the fused input GEMM's output as in
+    the engine) and pair sort by launch, per model shape at `seqs` tokens; each launch's outputs against the
+    engine's (route: the same weights and ids bit for bit; sort: torch's stable argsort and counts). Past
+    `triton_sort.MAX_PAIRS` pairs (a prefill's tokens) the routing alone."""
+    from hybridcache.kernels.moe.grouped import sort_pairs_torch
+    from hybridcache.kernels.moe.triton_route import route
+    from hybridcache.kernels.moe.triton_sort import MAX_PAIRS, block_size, sort_pairs_triton, sort_warps
+
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for model, (experts, top_k) in ROUTE_SHAPES.items():
+        fused = torch.randn(seqs, experts + 2056, generator=gen).to(DEVICE, torch.bfloat16)
+        logits = fused[:, :experts]
+        want = route(logits, top_k, True)
+        part = []
+        for block_t, warps in ROUTE_LAUNCHES:
+            def run(i: int, block_t=block_t, warps=warps, logits=logits, top_k=top_k):
+                return route(logits, top_k, True, block_t=block_t, num_warps=warps)
+            got = run(0)
+            same = bool(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+            name = "route, the engine's launch" if block_t is None else f"route {block_t} rows, {warps} warps"
+            part.append({"launch": name, "us": graph_us(run, 1),
+                         "bytes": logits.numel() * 2, "same": same, "model": model, "kernel": "route"})
+        results += report(f"{model} routing ({experts} experts, top-{top_k}), {seqs} tokens", part, part[0]["launch"])
+        ids = want[1]
+        if ids.numel() > MAX_PAIRS:
+            continue
+        ref = sort_pairs_torch(ids, experts)
+        part = []
+        for warps in SORT_WARPS:
+            warps = warps or sort_warps(block_size(ids.numel()))
+
+            def run(i: int, warps=warps, ids=ids, experts=experts):
+                return sort_pairs_triton(ids, experts, num_warps=warps)
+            got = run(0)
+            same = bool(torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]))
+            part.append({"launch": f"sort, {warps} warps", "us": graph_us(run, 1), "bytes": ids.numel() * 8,
+                         "same": same, "model": model, "kernel": "sort"})
+        results += report(f"{model} pair sort ({ids.numel()} pairs over {experts} experts)", part, part[0]["launch"])
+    return results
+
+
 # phase D's routed experts between their grouped GEMMs: (BLOCK_H, num_warps) of `triton_experts.spread` and of the
 # combine, (num_warps,) of the SiLU gate (one program per row of 1,024 columns)
 SPREAD_LAUNCHES = ((512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (4096, 16))
@@ -573,7 +624,8 @@ def main() -> None:
     args = parser.parse_args()
     sweeps = {"gdn": sweep_gdn, "conv": sweep_conv, "norm": sweep_norms,
               "argmax": sweep_argmax, "conv_prefill": sweep_conv_prefill, "experts": sweep_experts,
-              "fp8experts": sweep_fp8_experts, "moe_prefill": sweep_moe_prefill, "prefill_gemm": sweep_prefill_gemm}
+              "fp8experts": sweep_fp8_experts, "moe_route": sweep_moe_route,
+              "moe_prefill": sweep_moe_prefill, "prefill_gemm": sweep_prefill_gemm}
     found = {}
     for name in args.only.split(","):
         found[name] = sweeps[name](args.seqs)

@@ -143,7 +143,8 @@ def _llguidance() -> Any:
     try:
         import llguidance
         import llguidance.hf
-        import llguidance.torch
+        import llguidance.numpy  # (not llguidance.torch: its import compiles a function with torch.compile, which
+        # imports torch._dynamo: 2 s of a core holding the GIL in a server that is already serving)
     except ImportError as error:
         raise LLGuidanceMissing(f"llguidance, which would, does not import ({error}): pip install llguidance (it is "
                                 "in 'hybridcache-llm[guided]')") from error
@@ -163,7 +164,7 @@ class LLGuidanceMatcher:
     def __init__(self, matcher: Any, stop_token_ids: frozenset[int], fill: Callable[..., None]) -> None:
         self._matcher = matcher
         self._stop_token_ids = stop_token_ids
-        self._fill = fill  # llguidance.torch.fill_next_token_bitmask
+        self._fill = fill  # llguidance.numpy.fill_next_token_bitmask
         self._terminated = False
 
     def is_terminated(self) -> bool:
@@ -185,7 +186,8 @@ class LLGuidanceMatcher:
             raise ValueError(f"cannot roll back {num_tokens} tokens: {self._matcher.get_error()}")
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
-        self._fill(self._matcher, bitmask, index)
+        """Row `index` of `bitmask` (int32 [rows, cdiv(vocab, 32)] on the CPU, rows contiguous), written in place."""
+        self._fill(self._matcher, bitmask.numpy(), index)
 
 
 class LLGuidanceGrammar:
@@ -203,7 +205,7 @@ class LLGuidanceGrammar:
 
     def matcher(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self._start.deep_copy(), self._stop_token_ids,
-                                 _llguidance().torch.fill_next_token_bitmask)
+                                 _llguidance().numpy.fill_next_token_bitmask)
 
 
 class LLGuidanceCompiler:

@@ -442,18 +442,20 @@ def check_delta_gates(dtype: torch.dtype, device: torch.device, rows: int = 300,
     return {"g": error_stats(g, g_ref), "beta": error_stats(beta, beta_ref)}
 
 
-def check_route(dtype: torch.dtype, device: torch.device, rows: int = 300, seed: int = 0) -> dict[str, ErrorStats]:
+def check_route(dtype: torch.dtype, device: torch.device, rows: int = 300, seed: int = 0,
+                launch: tuple[int, int] | None = None) -> dict[str, ErrorStats]:
     """The fused top-k routing against `moe/reference.route` for the shapes of the models (16 experts top 4,
     512 experts top 10, 32 top 8 without renormalising), on strided logits: the weights' errors, and how many
     picks differ ("ids": max_abs counts them; a pick of an expert tied in probability with the reference's, as
-    bf16 logits often are among 512, counts as the same pick)."""
+    bf16 logits often are among 512, counts as the same pick). `launch`: (rows per program, warps), else the
+    engine's (`triton_route.launch`: one row a program up to 1,024 rows or from 128 experts, else 16)."""
     from hybridcache.kernels.moe.triton_route import route
 
     gen = torch.Generator().manual_seed(seed)
     stats = {}
     for experts, top_k, renormalize in ((16, 4, True), (512, 10, True), (32, 8, False)):
         logits = (2 * torch.randn(rows, 2 * experts, generator=gen)).to(device, dtype)[:, :experts]
-        weights, ids = route(logits, top_k, renormalize)
+        weights, ids = route(logits, top_k, renormalize, *(launch or ()))
         ref_weights, ref_ids = moe_ref.route(logits, top_k, renormalize)
         stats[f"weights E{experts}k{top_k}"] = error_stats(weights, ref_weights)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # a pick differs unless it is an equal-prob tie

@@ -178,9 +178,10 @@ def test_cuda_delta_gates(dtype: torch.dtype, cuda: torch.device) -> None:
 def test_cuda_route(dtype: torch.dtype, cuda: torch.device) -> None:
     from tests.kernels.cuda_checks import check_route
 
-    stats = check_route(dtype, cuda)
-    # The same picks; fp32 softmax and renormalisation with another summation order, rounded once to the dtype.
-    assert_within(stats, {name: EXACT if name.startswith("ids") else OURS[dtype] for name in stats})
+    for rows in (300, 2000):  # a decode's rows, one a program; a prefill's, 16 a program over 16 and 32 experts
+        stats = check_route(dtype, cuda, rows=rows)
+        # The same picks; fp32 softmax and renormalisation with another summation order, rounded once to the dtype.
+        assert_within(stats, {name: EXACT if name.startswith("ids") else OURS[dtype] for name in stats})
     from tests.kernels.cuda_checks import check_route_of_bad_rows
 
     check_route_of_bad_rows(dtype, cuda)
@@ -339,8 +340,9 @@ def test_interpreted_delta_gates() -> None:
 def test_interpreted_route() -> None:
     from tests.kernels.cuda_checks import check_route
 
-    stats = check_route(torch.float32, torch.device("cpu"), rows=20)
-    assert_within(stats, {name: EXACT if name.startswith("ids") else OURS[torch.float32] for name in stats})
+    for launch in (None, (16, 4)):  # the decode launch (one row a program), and a prefill's (16 rows, 4 warps)
+        stats = check_route(torch.float32, torch.device("cpu"), rows=20, launch=launch)
+        assert_within(stats, {name: EXACT if name.startswith("ids") else OURS[torch.float32] for name in stats})
 
 
 @needs_interpreter

@@ -120,3 +120,41 @@ def test_start_up_does_not_wait_for_the_build_and_a_request_meanwhile_gets_its_g
     jsonschema.validate(value, MULTIPLES)
     assert choice["finish_reason"] == "stop" and value in (10, 15), choice
     assert built == ["hybridcache-grammar-prepare"]  # (one build: the request used the start-up one)
+
+
+@needs_guided
+def test_prepare_and_an_llguidance_mask_leave_torch_compile_unimported():
+    """The server prepares the grammar libraries on a thread while it serves: an import of torch._dynamo there
+    (llguidance.torch compiles a function with torch.compile at import) is seconds of a core holding the GIL. A fresh
+    process prepares, then fills an llguidance bitmask (a schema xgrammar would not enforce), and the mask allows
+    exactly the first digits of the multiples of 5 in 0-20 (0, 5, 10, 15, 20). The built-in model is written here
+    first (writing it imports transformers' model code, which imports torch._dynamo; a server loads a written one)."""
+    import subprocess
+    import sys
+
+    ensure_builtin_model()
+
+    script = f"""
+import json, sys
+import torch
+from hybridcache.guided import GrammarCache, GuidedKind, GuidedSpec
+from hybridcache.models.builtin import ensure_builtin_model
+from hybridcache.tokenizer import Tokenizer
+tokenizer = Tokenizer(ensure_builtin_model())
+cache = GrammarCache(tokenizer.hf, tokenizer.vocab_size, [0])
+cache.prepare()
+spec = GuidedSpec(GuidedKind.JSON_SCHEMA, json.dumps({MULTIPLES!r}))
+cache.check(spec)
+matcher = cache.matcher(spec)
+bitmask = torch.zeros((2, (tokenizer.vocab_size + 31) // 32), dtype=torch.int32)
+matcher.fill_next_token_bitmask(bitmask, 1)
+allowed = [t for t in range(tokenizer.vocab_size) if bitmask[1, t // 32] >> (t % 32) & 1]
+print(json.dumps({{"dynamo": "torch._dynamo" in sys.modules, "kind": type(matcher).__name__,
+                  "allowed": [tokenizer.decode([t]) for t in allowed], "row0": int(bitmask[0].abs().sum())}}))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["kind"] == "LLGuidanceMatcher"
+    assert not seen["dynamo"]
+    assert seen["row0"] == 0  # only the row asked for is written
+    assert sorted(seen["allowed"]) == ["0", "1", "2", "5"]

@@ -42,6 +42,13 @@ def block_size(num_pairs: int) -> int:
     return triton.next_power_of_2(max(num_pairs, _MIN_BLOCK_N))
 
 
+def sort_warps(block_n: int) -> int:
+    """The sort's warps at BLOCK_N: 8 from 512 pairs (next-16b's 64-token step, 512 pairs: 2.8 against 4.0 us with
+    4), else 4 (256 pairs: 2.0 against 2.2 with 8; `benchmarks/decode_kernel_sweep.py --only moe_route`, docs/bench.md
+    session 71)."""
+    return 8 if block_n >= 512 else 4
+
+
 def block_sizes() -> tuple[int, ...]:
     """Every BLOCK_N `sort_pairs_triton` launches with (the pairs padded to a power of two, 16 .. MAX_PAIRS): one
     compiled variant each for a given expert count, which the engine compiles at start-up
@@ -77,12 +84,12 @@ def sort_block(ids_ptr, order_ptr, counts_ptr, num_pairs, num_experts, top_k, BL
     tl.store(counts_ptr + bins, counts, mask=bins < num_experts)
 
 
-def sort_pairs_triton(top_ids: torch.Tensor, num_experts: int,
-                      shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_pairs_triton(top_ids: torch.Tensor, num_experts: int, shared: bool = False,
+                      num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """top_ids [T, k] int64, 1 <= T*k <= MAX_PAIRS, E <= MAX_EXPERTS -> (order [T*k] int64: the pairs stably
     sorted by expert, counts [E] int32), as `grouped.sort_pairs`. `shared`: top_ids are the routed picks (ids
     < E - 1) and expert E - 1 every token's pick k + 1: order [T*(k + 1)] over the [T, k + 1] pairs (module
-    docstring)."""
+    docstring). num_warps: the launch's (default `sort_warps`; benchmarks sweep it)."""
     flat = top_ids.reshape(-1)
     num_pairs = flat.numel()
     if not 0 < num_pairs <= MAX_PAIRS or num_experts > MAX_EXPERTS:
@@ -94,5 +101,5 @@ def sort_pairs_triton(top_ids: torch.Tensor, num_experts: int,
     block_n = block_size(num_pairs)
     _sort_pairs_kernel[(1,)](flat, order, counts, num_pairs, num_experts, top_k, BLOCK_N=block_n,
                              BLOCK_E=triton.next_power_of_2(num_experts + 1), SHARED=shared,
-                             num_warps=4 if block_n <= 1024 else 8, **pdl.options(flat))
+                             num_warps=num_warps or sort_warps(block_n), **pdl.options(flat))
     return order, counts
