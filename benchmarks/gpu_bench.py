@@ -15,6 +15,7 @@ one; bf16; byte tokenizer):
 | `next-1b`  | Qwen3-Next, hidden 2048, 16 layers 3:1, 16 experts top-4, vocab 4096: 1.39B parameters             |
 | `next-16b` | Qwen3-Next, hidden 4096, 32 layers 3:1, 32 experts top-8, expert width 1024, vocab 151,936: 16.6B  |
 | `dense-9b` | transformers' default `Qwen3_5TextConfig` (hidden 4096, 32 layers 3:1, vocab 248,320): 9.0B        |
+| `next-80b-12l` | Qwen3-Next-80B-A3B's layers (hidden 2048, 512 experts of 512, top-10), 12 of its 48: 20.4B |
 
 One preset per other family hybridcache serves, at the shape of a released model (`PRESETS`: the model and the
 parameter count, counted on the meta device; GiB: the bf16 weights). Vocabularies are the released ones: the byte
@@ -131,6 +132,11 @@ MODELS = {
         vocab_size=151936, hidden_size=4096, num_hidden_layers=32, num_experts=32, num_experts_per_tok=8,
         moe_intermediate_size=1024, shared_expert_intermediate_size=1024)),
     "dense-9b": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    "next-80b-12l": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(  # the flagship's MoE shape, on one 80 GB GPU
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, intermediate_size=5120)),
     # one preset per other served family, at a released model's shape (`PRESETS` below: which, and its size)
     "granite-4h-tiny": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
         vocab_size=100352, hidden_size=1536, num_hidden_layers=40, num_attention_heads=12, num_key_value_heads=4,
@@ -200,6 +206,7 @@ PRESETS: dict[str, tuple[str, float]] = {
     "next-1b": ("Qwen3-Next, shrunk", 1.39),
     "next-16b": ("Qwen3-Next, shrunk", 16.6),
     "dense-9b": ("transformers' default Qwen3.5 text config", 9.0),
+    "next-80b-12l": ("Qwen3-Next-80B-A3B, 12 of its 48 layers", 20.4),
     "granite-4h-tiny": ("Granite-4.0-H-Tiny (7B-A1B)", 6.94),
     "nemotron-h-9b": ("NVIDIA-Nemotron-Nano-9B-v2", 8.89),
     "nemotron3-nano": ("NVIDIA-Nemotron-3-Nano-30B-A3B", 31.58),
