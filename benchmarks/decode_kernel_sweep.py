@@ -347,6 +347,9 @@ def sweep_experts(seqs: int) -> list[dict]:
 # the MoE routing and pair sort of a decode step: (experts, top-k) by model; route launches (rows per program, warps),
 # the first the engine's choice (`triton_route.launch`); sort warps, the first the engine's (`triton_sort.sort_warps`)
 ROUTE_SHAPES = {"next-1b": (16, 4), "next-16b": (32, 8), "80B-A3B": (512, 10)}
+# the one-group sigmoid routers: (experts, top-k, renorm eps, scale)
+SIGMOID_ROUTERS = {"nemotron3-nano": (128, 6, 1e-20, 2.5), "kimi-linear": (256, 8, 1e-20, 2.446),
+                   "lfm2-8b-a1b": (32, 4, 1e-6, 1.0)}
 ROUTE_LAUNCHES = ((None, None), (16, 4), (16, 2), (16, 1), (8, 4), (8, 2), (8, 1), (4, 4), (4, 2), (4, 1), (2, 1),
                   (1, 1))
 SORT_WARPS = (None, 2, 4, 8)
@@ -356,9 +359,11 @@ def sweep_moe_route(seqs: int) -> list[dict]:
     """The MoE block's routing (`triton_route.route`, logits a strided view of the fused input GEMM's output as in
     the engine) and pair sort by launch, per model shape at `seqs` tokens; each launch's outputs against the
     engine's (route: the same weights and ids bit for bit; sort: torch's stable argsort and counts). Past
-    `triton_sort.MAX_PAIRS` pairs (a prefill's tokens) the routing alone."""
+    `triton_sort.MAX_PAIRS` pairs (a prefill's tokens) the routing alone. Then the one-group sigmoid routers
+    (Nemotron 3 Nano, Kimi Linear, LFM2-MoE): the Triton launch against the torch reference it replaced."""
+    from hybridcache.kernels.moe import reference as moe_ref
     from hybridcache.kernels.moe.grouped import sort_pairs_torch
-    from hybridcache.kernels.moe.triton_route import route
+    from hybridcache.kernels.moe.triton_route import route, route_sigmoid
     from hybridcache.kernels.moe.triton_sort import MAX_PAIRS, block_size, sort_pairs_triton, sort_warps
 
     gen = torch.Generator().manual_seed(0)
@@ -392,6 +397,21 @@ def sweep_moe_route(seqs: int) -> list[dict]:
             part.append({"launch": f"sort, {warps} warps", "us": graph_us(run, 1), "bytes": ids.numel() * 8,
                          "same": same, "model": model, "kernel": "sort"})
         results += report(f"{model} pair sort ({ids.numel()} pairs over {experts} experts)", part, part[0]["launch"])
+    for model, (experts, top_k, eps, scale) in SIGMOID_ROUTERS.items():  # the one-group sigmoid routers
+        logits = torch.randn(seqs, experts, generator=gen).to(DEVICE)
+        bias = (0.5 * torch.randn(experts, generator=gen)).to(DEVICE)
+        want = moe_ref.route_sigmoid(logits, bias, top_k, True, eps, scale)
+        part = []
+        for name, fn in (("sigmoid routing, one Triton launch (engine's)", route_sigmoid),
+                         ("sigmoid routing, torch (before)", moe_ref.route_sigmoid)):
+            def run(i: int, fn=fn, logits=logits, bias=bias, top_k=top_k, eps=eps, scale=scale):
+                return fn(logits, bias, top_k, True, eps, scale)
+            got = run(0)
+            same = bool(torch.equal(got[1].sort(dim=-1)[0], want[1].sort(dim=-1)[0]))
+            part.append({"launch": name, "us": graph_us(run, 1), "bytes": logits.numel() * 4, "same": same,
+                         "model": model, "kernel": "route_sigmoid"})
+        results += report(f"{model} sigmoid routing ({experts} experts, top-{top_k}), {seqs} tokens (same: the picks)",
+                          part, part[0]["launch"])
     return results
 
 

@@ -262,6 +262,13 @@ class KernelBackend(Protocol):
         to sum 1 when `renormalize`; returns (weights [T, k] in logits' dtype, ids [T, k] int64)."""
         ...
 
+    def route_sigmoid(self, logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, eps: float,
+                      scale: float, num_groups: int = 1, topk_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmoid routing with a correction bias, in fp32 (`moe/reference.route_sigmoid`: Nemotron-H's, Kimi
+        Linear's and LFM2-MoE's routers): logits [T, E] fp32, bias [E] fp32 -> (weights [T, k] fp32, ids [T, k]
+        int64); the order of a row's picks is the backend's (torch.topk's unsorted order, or descending)."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Zero-centred RMSNorm over the last dim: x [..., dim], weight [dim] -> [..., dim] in x's dtype,
         y = x / sqrt(mean(x^2) + eps) * (1 + weight), computed in fp32 and rounded once."""
@@ -589,6 +596,7 @@ class ReferenceBackend(SharedOps):
     # Element-wise and per-row ops need no step metadata: the kernel functions themselves.
     delta_gates = staticmethod(delta_ref.delta_gates)
     route = staticmethod(moe_ref.route)
+    route_sigmoid = staticmethod(moe_ref.route_sigmoid)
     rms_norm = staticmethod(norm_ref.rms_norm)
     add_rms_norm = staticmethod(norm_ref.add_rms_norm)
     gated_rms_norm = staticmethod(norm_ref.gated_rms_norm)

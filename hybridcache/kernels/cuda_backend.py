@@ -25,6 +25,7 @@
 | gated_delta      | the gates and the rule: all-decode, the step kernel makes the gates from a, b itself (the code |
 |                  | of delta_gates); else delta_gates, then gated_delta_rule                                       |
 | route            | one Triton launch: softmax, top-k, renormalisation (`moe/triton_route.py`)                     |
+| route_sigmoid    | one group: the same launch with sigmoid scores ranked with the bias; groups: the torch reference |
 | ssd_scan (Mamba2) | the torch step (`mamba2/fla.ssd_decode`) | fla's chunked simple-GLA kernels (`mamba2/fla.py`), |
 |                  | leading decode rows in the torch step; verify rows: the torch reference per sequence           |
 | gated_group_rms_norm | the torch reference (Mamba2's gated norm)                                                  |
@@ -81,6 +82,7 @@ from hybridcache.kernels.gemm.triton_fp8_moe import compile_tiles as compile_fp8
 from hybridcache.kernels.mamba1 import triton as mamba1_triton
 from hybridcache.kernels.mamba2 import fla as mamba2_fla
 from hybridcache.kernels.mamba2 import reference as mamba2_ref
+from hybridcache.kernels.moe import reference as moe_ref
 from hybridcache.kernels.moe import triton_route
 from hybridcache.kernels.moe.grouped import ExpertWeights, compile_tiles, grouped_experts
 from hybridcache.kernels.norm import triton as fused_norm
@@ -507,6 +509,16 @@ class CudaBackend(SharedOps):
     # Element-wise and per-row ops need no step metadata: the kernel functions themselves.
     delta_gates = staticmethod(triton_gates.delta_gates)
     route = staticmethod(triton_route.route)
+
+    @staticmethod
+    def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, eps: float,
+                      scale: float, num_groups: int = 1, topk_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """One Triton launch for one group (`triton_route.route_sigmoid`); grouped routers (none of the served
+        models' checkpoints) in torch."""
+        if num_groups == 1:
+            return triton_route.route_sigmoid(logits, bias, top_k, renormalize, eps, scale)
+        return moe_ref.route_sigmoid(logits, bias, top_k, renormalize, eps, scale, num_groups, topk_groups)
+
     side_stream = staticmethod(streams.side_stream)
     rms_norm = staticmethod(fused_norm.rms_norm)
     add_rms_norm = staticmethod(fused_norm.add_rms_norm)

@@ -301,7 +301,7 @@ class KimiMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         """Under tensor parallelism the routed and shared partial sums are all-reduced once."""
-        top_weights, top_ids = self.gate(x)  # float32 weights
+        top_weights, top_ids = self.gate(x, step.backend)  # float32 weights
         routed = step.backend.moe(x, top_weights, top_ids, self.experts)
         return self.tp.all_reduce(routed if self.shared_experts is None else routed + self.shared_experts(x, step))
 

@@ -79,7 +79,7 @@ class Lfm2MoE(nn.Module):
         self.experts = nn.ModuleList(MLP(hidden_size, intermediate_size, reduce=False) for _ in range(num_experts))
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        top_weights, top_ids = self.gate(x)  # (float32 weights: each weighted expert output formed in float32)
+        top_weights, top_ids = self.gate(x, step.backend)  # (float32 weights: each expert output x its weight in fp32)
         return step.backend.moe(x, top_weights, top_ids, self.experts)
 
 

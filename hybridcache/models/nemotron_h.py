@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.linear import module_linear
 from hybridcache.layers.norm import RMSNorm
 from hybridcache.layers.step import StepContext
@@ -79,14 +80,11 @@ class ReluSquaredMLP(nn.Module):
 
 
 class GroupedTopKRouter(nn.Module):
-    """x [N, hidden] -> (weights [N, k] float32, ids [N, k] int64), transformers' NemotronHTopkRouter in torch
-    (`config.GroupedRouting` says the rule; one group: LFM2-MoE's router, `models/lfm2.py`). `weight` [E, hidden] and
-    `e_score_correction_bias` [E] stay float32 whatever dtype the model is cast to (as transformers keeps them: a bf16
-    bias would change the picks).
-
-    Worked example, E = 8 experts in 4 groups, topk_groups 2, k = 2: choice scores (.9 .1 | .85 .05 | .8 .7 | .2 .3)
-    rank the groups by the sum of their two best, 1.0 .9 1.5 .5, so groups 2 and 0 are kept and experts 0 and 4
-    (.9, .8) picked: expert 2 (.85) is in a dropped group."""
+    """x [N, hidden] -> (weights [N, k] float32, ids [N, k] int64), transformers' NemotronHTopkRouter
+    (`config.GroupedRouting` says the rule; one group: LFM2-MoE's router, `models/lfm2.py`): the logits in fp32,
+    then the backend's `route_sigmoid` (`moe/reference.route_sigmoid`, its worked example; on CUDA one Triton launch
+    for one group). `weight` [E, hidden] and `e_score_correction_bias` [E] stay float32 whatever dtype the model is
+    cast to (as transformers keeps them: a bf16 bias would change the picks)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, routing: GroupedRouting,
                  norm_topk_prob: bool) -> None:
@@ -95,21 +93,11 @@ class GroupedTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        choice = scores + self.e_score_correction_bias.float()
+    def forward(self, x: torch.Tensor, backend: KernelBackend) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.routing
-        if r.num_groups > 1:  # (one group keeps every expert)
-            grouped = choice.view(choice.shape[0], r.num_groups, -1)
-            kept = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(r.topk_groups, dim=-1, sorted=False)[1]
-            mask = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, kept, True)
-            keep = mask[:, :, None].expand(grouped.shape).reshape(choice.shape)  # (no host sync: graph-safe)
-            choice = choice.masked_fill(~keep, float("-inf"))
-        top_ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
-        top_weights = scores.gather(1, top_ids)
-        if self.norm_topk_prob:
-            top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + r.renorm_eps)
-        return top_weights * r.scaling_factor, top_ids
+        logits = F.linear(x.float(), self.weight.float())
+        return backend.route_sigmoid(logits, self.e_score_correction_bias.float(), self.top_k, self.norm_topk_prob,
+                                     r.renorm_eps, r.scaling_factor, r.num_groups, r.topk_groups)
 
     def _apply(self, fn, recurse: bool = True) -> GroupedTopKRouter:  # noqa: ANN001 (nn.Module's signature)
         """Device moves and `to_empty` apply; dtype casts do not (both tensors stay float32)."""
@@ -146,7 +134,7 @@ class NemotronHMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepContext, state: LayerState) -> torch.Tensor:
         del state
-        top_weights, top_ids = self.gate(x)  # float32 weights: each weighted expert output formed in float32
+        top_weights, top_ids = self.gate(x, step.backend)  # float32 weights: each expert output x its weight in fp32
         latent = x if self.fc1_latent_proj is None else module_linear(self.fc1_latent_proj, x)
         routed = step.backend.moe(latent, top_weights, top_ids, self.experts, activation="relu2")
         if self.fc2_latent_proj is not None:

@@ -465,6 +465,38 @@ def check_route(dtype: torch.dtype, device: torch.device, rows: int = 300, seed:
     return stats
 
 
+def check_route_sigmoid(device: torch.device, rows: int = 300, seed: int = 0) -> dict[str, ErrorStats]:
+    """The one-group sigmoid routing (`triton_route.route_sigmoid`) against `moe/reference.route_sigmoid` at the
+    routers' shapes (Nemotron 3 Nano's 128 experts top-6 renormalised x 2.5, Kimi Linear's 256 top-8 renormalised
+    x 2.446, LFM2-8B-A1B's 32 top-4 renormalised with eps 1e-6, and one not renormalised), a bias of the size of
+    the scores, fp32 logits as a strided view: the weights' errors (each row's picks compared as a set, by expert
+    id), and how many picks differ ("ids"; a pick whose p + bias ties the reference's counts as the same)."""
+    from hybridcache.kernels.moe.triton_route import route_sigmoid
+
+    gen = torch.Generator().manual_seed(seed)
+    stats = {}
+    for experts, top_k, renormalize, eps, scale in ((128, 6, True, 1e-20, 2.5), (256, 8, True, 1e-20, 2.446),
+                                                    (32, 4, True, 1e-6, 1.0), (16, 4, False, 1e-20, 1.0)):
+        logits = (2 * torch.randn(rows, 2 * experts, generator=gen)).to(device)[:, :experts]
+        bias = (0.5 * torch.randn(experts, generator=gen)).to(device)
+        weights, ids = route_sigmoid(logits, bias, top_k, renormalize, eps, scale)
+        ref_weights, ref_ids = moe_ref.route_sigmoid(logits, bias, top_k, renormalize, eps, scale)
+        order, ref_order = ids.argsort(dim=-1), ref_ids.argsort(dim=-1)
+        stats[f"weights E{experts}k{top_k}"] = error_stats(weights.gather(1, order), ref_weights.gather(1, ref_order))
+        choice = torch.sigmoid(logits) + bias
+        picked = choice.gather(1, ids).sort(dim=-1)[0]
+        misses = (picked != choice.gather(1, ref_ids).sort(dim=-1)[0]).sum().float()
+        stats[f"ids E{experts}k{top_k}"] = ErrorStats(max_abs=misses.item(), max_rel=misses.item(),
+                                                      norm_rel=misses.item())
+    logits = torch.randn(3, 16, generator=gen).to(device)
+    logits[1, 5] = float("nan")  # a diverged token: distinct experts in range, NaN weights; its neighbours routed
+    weights, ids = route_sigmoid(logits, torch.zeros(16, device=device), 4, True, 1e-20, 1.0)
+    assert ids.min() >= 0 and ids.max() < 16 and len(set(ids[1].tolist())) == 4 and weights[1].isnan().all(), ids
+    want = moe_ref.route_sigmoid(logits[[0, 2]], torch.zeros(16, device=device), 4, True, 1e-20, 1.0)[1]
+    assert torch.equal(ids[[0, 2]].sort(dim=-1)[0], want.sort(dim=-1)[0]), (ids, want)
+    return stats
+
+
 def check_route_of_bad_rows(dtype: torch.dtype, device: torch.device) -> None:
     """Rows of NaN or inf logits (a diverged token) route to distinct experts in range, as torch.topk's picks, with
     NaN weights, and leave the other rows' routing as the reference's (the pair sort indexes its counts with the

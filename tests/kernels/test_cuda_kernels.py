@@ -188,6 +188,16 @@ def test_cuda_route(dtype: torch.dtype, cuda: torch.device) -> None:
 
 
 @needs_cuda
+def test_cuda_route_sigmoid(cuda: torch.device) -> None:
+    from tests.kernels.cuda_checks import check_route_sigmoid
+
+    for rows in (300, 2000):
+        stats = check_route_sigmoid(cuda, rows=rows)
+        # The same picks; sigmoid and the renormalising sum in fp32 in another order than torch's: a few ulps.
+        assert_within(stats, {name: EXACT if name.startswith("ids") else OURS[torch.float32] for name in stats})
+
+
+@needs_cuda
 def test_cuda_sort_pairs(cuda: torch.device) -> None:
     from tests.kernels.cuda_checks import check_sort_pairs
 
@@ -343,6 +353,14 @@ def test_interpreted_route() -> None:
     for launch in (None, (16, 4)):  # the decode launch (one row a program), and a prefill's (16 rows, 4 warps)
         stats = check_route(torch.float32, torch.device("cpu"), rows=20, launch=launch)
         assert_within(stats, {name: EXACT if name.startswith("ids") else OURS[torch.float32] for name in stats})
+
+
+@needs_interpreter
+def test_interpreted_route_sigmoid() -> None:
+    from tests.kernels.cuda_checks import check_route_sigmoid
+
+    stats = check_route_sigmoid(torch.device("cpu"), rows=20)
+    assert_within(stats, {name: EXACT if name.startswith("ids") else OURS[torch.float32] for name in stats})
 
 
 @needs_interpreter

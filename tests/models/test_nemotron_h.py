@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from hybridcache.kernels.backend import ReferenceBackend
 from hybridcache.layers.parallel import TensorParallel
 from hybridcache.models import ModelConfig, get_model_class, load_model
 from hybridcache.models.config import LayerKind
@@ -190,16 +191,17 @@ def test_router_equals_transformers_and_its_bias_and_groups_change_the_picks():
     pair = make_nemotron_pair("moe-groups")
     theirs, ours = pair.hf.model.layers[1].mixer.gate, pair.ours.model.layers[1].mixer.gate
     x = torch.randn(300, 64, generator=torch.Generator().manual_seed(5))
+    backend = ReferenceBackend()
     with torch.no_grad():
         _, want_weights, want_ids = theirs(x)
-        weights, ids = ours(x)
+        weights, ids = ours(x, backend)
         assert weights.dtype == torch.float32 and ids.dtype == torch.int64
         assert torch.equal(ids.sort(-1)[0], want_ids.sort(-1)[0])
         torch.testing.assert_close(weights.gather(1, ids.argsort(-1)), want_weights.gather(1, want_ids.argsort(-1)),
                                    rtol=1e-6, atol=1e-7)
 
         def picks(router) -> set:
-            return {(t, e) for t, row in enumerate(router(x)[1].tolist()) for e in row}
+            return {(t, e) for t, row in enumerate(router(x, backend)[1].tolist()) for e in row}
 
         bias = ours.e_score_correction_bias.detach().clone()
         assert bias.abs().min() > 0

@@ -69,3 +69,30 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     if renormalize:
         top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
     return top_weights.to(logits.dtype), top_ids
+
+
+def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, eps: float,
+                  scale: float, num_groups: int = 1, topk_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid routing with a correction bias (DeepSeek-V3's "noaux_tc": Nemotron-H's, Kimi Linear's, LFM2-MoE's
+    routers, transformers' order), all in fp32: logits [T, E], bias [E] -> scores = sigmoid(logits); the choice
+    ranks scores + bias, within the `topk_groups` best of `num_groups` groups of E / num_groups experts (a group
+    ranks by the sum of its two best choices; one group keeps every expert); the top_k chosen (in torch.topk's
+    unsorted order); weights the picks' scores, divided by their sum + eps when `renormalize`, times `scale`.
+    Returns (weights [T, k] fp32, ids [T, k] int64).
+
+    Worked example, E = 8 experts in 4 groups, topk_groups 2, k = 2: choice scores (.9 .1 | .85 .05 | .8 .7 | .2 .3)
+    rank the groups by the sum of their two best, 1.0 .9 1.5 .5, so groups 2 and 0 are kept and experts 0 and 4
+    (.9, .8) picked: expert 2 (.85) is in a dropped group."""
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    if num_groups > 1:  # (one group keeps every expert)
+        grouped = choice.view(choice.shape[0], num_groups, -1)
+        kept = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(topk_groups, dim=-1, sorted=False)[1]
+        mask = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=logits.device).scatter_(1, kept, True)
+        keep = mask[:, :, None].expand(grouped.shape).reshape(choice.shape)  # (no host sync: graph-safe)
+        choice = choice.masked_fill(~keep, float("-inf"))
+    top_ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    top_weights = scores.gather(1, top_ids)
+    if renormalize:
+        top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + eps)
+    return top_weights * scale, top_ids
