@@ -395,6 +395,30 @@ def test_interpreted_moe(block_m: int) -> None:
 
 
 @needs_interpreter
+@torch.no_grad()
+def test_interpreted_lfm2_moe_block_on_the_cuda_backend_equals_the_reference(monkeypatch) -> None:
+    """LFM2-MoE's block (one-group sigmoid router with its expert bias, SiLU-gated experts) in fp32 on the CUDA
+    backend (the router's `route_sigmoid` launch, the pair sort, the expert GEMMs, the combine) against the reference
+    backend: the same picks and the output within fp32 rounding."""
+    from hybridcache.kernels.attention.reference_backend import ReferenceAttention
+    from hybridcache.kernels.backend import ReferenceBackend
+    from hybridcache.kernels.cuda_backend import CudaBackend
+    from hybridcache.layers.step import StepContext
+    from tests.models.lfm2_helpers import make_lfm2_pair
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    block = make_lfm2_pair("moe-norm").ours.model.layers[1].mlp
+    assert block.gate.routing.num_groups == 1 and block.gate.e_score_correction_bias.abs().min() > 0
+    x = torch.randn(37, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    reference, cuda = ReferenceBackend(), CudaBackend(ReferenceAttention())
+    want_ids, got_ids = block.gate(x, reference)[1], block.gate(x, cuda)[1]
+    assert torch.equal(got_ids.sort(dim=-1)[0], want_ids.sort(dim=-1)[0])
+    want = block(x, StepContext(batch=None, backend=reference, rope=(None, None)))
+    got = block(x, StepContext(batch=None, backend=cuda, rope=(None, None)))
+    assert got.dtype == torch.float32 and (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+
+
+@needs_interpreter
 def test_interpreted_decode_splits() -> None:
     from hybridcache.kernels.attention.triton_paged import decode_splits
 
