@@ -18,9 +18,12 @@ in the same process (one start-up).
 On CUDA every profile also prints its device time and kernel launches by kernel family (GEMM, MoE, fla, attention,
 ...) and, for decode, per step by the groups of docs/bench.md's decode table (routed-expert GEMMs, other GEMMs, the
 DeltaNet step kernel, attention, everything else), also in the JSON (`device_per_step`).
-`--quick`: only the free-running steps and the graph-replay profile by kernel group (for a device call short of
-time). `--load-format dummy`: the folder holds only config.json and the tokenizer (`tp_bench.config_folder`:
-seconds, not the minutes a 9-16B random folder takes to write) and the engine draws random weights on the device.
+`--no-pdl`: the kernels launched without programmatic dependent launch, so that each kernel's profiled time is
+its own (with PDL a kernel's blocks wait for the one before inside it, and the by-kernel table over-counts:
+next-16b's kernels summed to 18.3 ms in a 14.8 ms step; docs/bench.md, session 71). `--quick`: only the
+free-running steps and the graph-replay profile by kernel group (for a device call short of time).
+`--load-format dummy`: the folder holds only config.json and the tokenizer (`tp_bench.config_folder`: seconds,
+not the minutes a 9-16B random folder takes to write) and the engine draws random weights on the device.
 `--trace`: after the free-running steps, `TRACED_STEPS` more decode steps under torch.profiler with shapes and
 Python stacks: OUT/trace_<model>.json.gz (a chrome trace), OUT/launches_<model>.txt (every device kernel of the
 last traced step in launch order, with the torch op, shapes and Python frames that launched it, or "graph
@@ -389,8 +392,16 @@ def main() -> None:
                         help="dummy: a folder of config.json and the tokenizer, random weights drawn on the device")
     parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="the DeltaNet recurrent state's dtype (auto: float32 here; the models name none)")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="launch without programmatic dependent launch: each kernel's profiled time is its own "
+                             "(with PDL it includes its wait for the kernel before, so the kernels' sum exceeds the "
+                             "step)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.no_pdl:
+        from hybridcache.kernels import pdl
+
+        pdl._supported = lambda index: False  # (before any kernel is launched or compiled)
     if args.load_format == "dummy":
         from tp_bench import config_folder
 
@@ -425,12 +436,12 @@ def main() -> None:
         "model": args.model, "load_format": args.load_format,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else args.device,
         "seqs": args.seqs, "prompt_len": args.prompt_len, "cuda_graphs": list(engine.runner.graph_batch_sizes),
-        "mamba_ssm_cache_dtype": engine.config.mamba_ssm_cache_dtype,
+        "mamba_ssm_cache_dtype": engine.config.mamba_ssm_cache_dtype, "pdl": not args.no_pdl,
         "free_step_ms_p50": 1000 * statistics.median(free), "synced_step_ms_p50": 1000 * statistics.median(timed_walls),
         "parts_ms": parts, "trace": traced,
     }
     print(f"\n{args.model} on {result['device']}, {args.seqs} sequences decoding, graphs {result['cuda_graphs']}, "
-          f"state {result['mamba_ssm_cache_dtype']}")
+          f"state {result['mamba_ssm_cache_dtype']}, PDL {'on' if result['pdl'] else 'off'}")
     print(f"free-running decode step p50: {result['free_step_ms_p50']:.2f} ms; phase-synced step p50 "
           f"{result['synced_step_ms_p50']:.2f} ms")
     print("| part | ms per step (own cost, synced) |\n| --- | --- |")
@@ -463,7 +474,8 @@ def main() -> None:
     result["compiled_after_start_up"] = compiles.by_label.get("after start-up", [])
     print(f"Triton compiled {len(result['compiled_after_start_up'])} kernels after start-up: "
           f"{[name.split(' key=')[0] for name in result['compiled_after_start_up']]}")
-    suffix = "" if args.mamba_ssm_cache_dtype == "auto" else f"_ssm-{args.mamba_ssm_cache_dtype}"
+    suffix = ("" if args.mamba_ssm_cache_dtype == "auto" else f"_ssm-{args.mamba_ssm_cache_dtype}") + (
+        "_no-pdl" if args.no_pdl else "")
     (out_dir / f"step_profile_{args.model}{suffix}.json").write_text(json.dumps(result, indent=1))
     if args.and_batch_prefill:
         profile_batch_prefill(llm, rng, device, args.prompt_len)
