@@ -1,10 +1,10 @@
 """The recurrent layers' kernels and the bf16 expert GEMM compile for the H200 (sm90) without a GPU
 (`tests/kernels/hopper.py`; the FP8 kernels: test_fp8_hopper_compile.py): the gated delta rule's decode step and
-speculative verify kernel, the causal conv's two prefill kernels, state, decode-step and draft-state kernels, and
-the expert GEMM's gate/up and down tiles, in the variants the engine launches for a bf16 model (the SSM state pool
-fp32 or bf16, the conv pool bf16, Qwen3-Next's head sizes). Their numbers are checked under the interpreter
-(test_cuda_kernels.py, test_verify_kernels.py); here, that the compiler takes them and that their compile-time
-branches keep or drop the code they should."""
+speculative verify kernel, the causal conv's two prefill kernels, state, decode-step and draft-state kernels, the
+expert GEMM's gate/up and down tiles, and the MoE routing (softmax, and sigmoid with a correction bias), in the
+variants the engine launches for a bf16 model (the SSM state pool fp32 or bf16, the conv pool bf16, Qwen3-Next's
+head sizes). Their numbers are checked under the interpreter (test_cuda_kernels.py, test_verify_kernels.py); here,
+that the compiler takes them and that their compile-time branches keep or drop the code they should."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from hybridcache.kernels.gated_delta import triton_step, triton_verify  # noqa: 
 from hybridcache.kernels.gated_delta.triton_step import _gdn_step_kernel  # noqa: E402
 from hybridcache.kernels.gated_delta.triton_verify import _gdn_verify_kernel  # noqa: E402
 from hybridcache.kernels.moe.triton_experts import _expert_gemm_kernel  # noqa: E402
+from hybridcache.kernels.moe.triton_route import _route_kernel  # noqa: E402
 from tests.kernels.hopper import compile_for_hopper  # noqa: E402
 
 HEADS = dict(RATIO=2, DK=128, BLOCK_K=128, BLOCK_V=32)  # 16 key heads, 32 value heads, head dims 128 (Qwen3-Next)
@@ -175,6 +176,23 @@ def test_expert_gemm_swap_ab_compiles_to_wgmma_for_hopper(gate_up):
         ptx[swap] = compile_for_hopper(_expert_gemm_kernel, EXPERT_POINTERS, integers(_expert_gemm_kernel),
                                        constants).asm["ptx"]
     assert "wgmma" in ptx[True] and "wgmma" not in ptx[False]
+
+
+@pytest.mark.parametrize("block_t, warps", [(1, 1), (16, 4)], ids=["row-a-warp", "16-rows"])  # `triton_route.launch`
+def test_routing_compiles_for_hopper(block_t, warps):
+    """The MoE routing in both launches: softmax on bf16 logits (Qwen3-Next-80B's 512 experts top-10), and softmax
+    and sigmoid with a correction bias on fp32 logits (Nemotron 3 Nano's 128 top-6): of those two, only the
+    sigmoid variant reads the bias."""
+
+    def ptx(sigmoid: bool, experts: int, top_k: int, dtype: str) -> str:
+        table = {"logits_ptr": dtype, "weights_ptr": dtype, "ids_ptr": "*i64", "bias_ptr": "*fp32"}
+        constants = dict(TOP_K=top_k, RENORMALIZE=True, BLOCK_T=block_t, BLOCK_E=experts, BLOCK_K=16, SIGMOID=sigmoid)
+        return compile_for_hopper(_route_kernel, table, ["num_rows", "num_experts", "stride_l"], constants,
+                                  num_warps=warps, floats=("eps", "scale")).asm["ptx"]
+
+    assert "st.global" in ptx(False, 512, 10, "*bf16")
+    loads = {sigmoid: len(re.findall(r"ld\.global", ptx(sigmoid, 128, 6, "*fp32"))) for sigmoid in (False, True)}
+    assert loads[True] > loads[False], loads  # the bias's loads
 
 
 ATTENTION_POINTERS = {"kv_ptr": "*bf16", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "bt_ptr": "*i32", "ctx_ptr": "*i32",
