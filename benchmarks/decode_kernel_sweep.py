@@ -344,8 +344,9 @@ def sweep_experts(seqs: int) -> list[dict]:
     return results
 
 
-# the MoE routing and pair sort of a decode step: (experts, top-k) by model; route launches (rows per program, warps),
-# the first the engine's choice (`triton_route.launch`); sort warps, the first the engine's (`triton_sort.sort_warps`)
+# the MoE routing and pair sort of a decode step: (experts, top-k) by model; route launches (rows per program,
+# warps), the first the engine's choice (`triton_route.launch_rows`); sort warps, the first the engine's
+# (`triton_sort.sort_warps`)
 ROUTE_SHAPES = {"next-1b": (16, 4), "next-16b": (32, 8), "80B-A3B": (512, 10)}
 # the one-group sigmoid routers: (experts, top-k, renorm eps, scale)
 SIGMOID_ROUTERS = {"nemotron3-nano": (128, 6, 1e-20, 2.5), "kimi-linear": (256, 8, 1e-20, 2.446),

@@ -448,7 +448,7 @@ def check_route(dtype: torch.dtype, device: torch.device, rows: int = 300, seed:
     512 experts top 10, 32 top 8 without renormalising), on strided logits: the weights' errors, and how many
     picks differ ("ids": max_abs counts them; a pick of an expert tied in probability with the reference's, as
     bf16 logits often are among 512, counts as the same pick). `launch`: (rows per program, warps), else the
-    engine's (`triton_route.launch`: one row a program up to 1,024 rows or from 128 experts, else 16)."""
+    engine's (`triton_route.launch_rows`: one row a program up to 1,024 rows or from 128 experts, else 16)."""
     from hybridcache.kernels.moe.triton_route import route
 
     gen = torch.Generator().manual_seed(seed)

@@ -178,7 +178,8 @@ def test_expert_gemm_swap_ab_compiles_to_wgmma_for_hopper(gate_up):
     assert "wgmma" in ptx[True] and "wgmma" not in ptx[False]
 
 
-@pytest.mark.parametrize("block_t, warps", [(1, 1), (16, 4)], ids=["row-a-warp", "16-rows"])  # `triton_route.launch`
+# the two launches of `triton_route.launch_rows`
+@pytest.mark.parametrize("block_t, warps", [(1, 1), (16, 4)], ids=["row-a-warp", "16-rows"])
 def test_routing_compiles_for_hopper(block_t, warps):
     """The MoE routing in both launches: softmax on bf16 logits (Qwen3-Next-80B's 512 experts top-10), and softmax
     and sigmoid with a correction bias on fp32 logits (Nemotron 3 Nano's 128 top-6): of those two, only the

@@ -2,8 +2,8 @@
 kernels: softmax, topk's select and sort, the renormalising sum and division, the cast), and the one-group sigmoid
 routing of Nemotron-H, Kimi Linear and LFM2-MoE (`route_sigmoid`, as `moe/reference.route_sigmoid`: eight or nine).
 
-One program of one warp per row in a decode step (`launch`): a row's reductions over the experts stay in its warp
-(lane shuffles), where a program of 16 rows and 4 warps reduces through shared memory in each of the k rounds; a
+One program of one warp per row in a decode step (`launch_rows`): a row's reductions over the experts stay in its
+warp (lane shuffles), where a program of 16 rows and 4 warps reduces through shared memory in each of the k rounds; a
 prefill's thousands of rows over a few experts take the 16-row programs (one program a row is then as many
 programs as rows). Each row's scores p in fp32 (softmax(logits), or sigmoid(logits) ranked as p + bias); the k
 picks are made by k rounds of "take the largest rank, then mask it out" (ties go to the lowest expert id;
@@ -24,7 +24,7 @@ import triton.language as tl
 from hybridcache.kernels import pdl
 
 
-def launch(num_rows: int, num_experts: int) -> tuple[int, int]:
+def launch_rows(num_rows: int, num_experts: int) -> tuple[int, int]:
     """(rows per program, warps) of the routing of `num_rows` rows over `num_experts`: one row and one warp up to 1,024
     rows or from 128 experts, else 16 rows and 4 warps. From `benchmarks/decode_kernel_sweep.py --only moe_route`
     on an H100 (docs/bench.md, session 71): 64 rows over 512 experts top-10 (Qwen3-Next-80B) 4.6 us against 39 with
@@ -85,7 +85,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, bias_ptr, num_rows, num_expe
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, block_t: int | None = None,
           num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (unit stride on E) -> (weights [T, top_k] in logits' dtype, ids [T, top_k] int64).
-    block_t (rows per program), num_warps: the launch, by default `launch`'s (benchmarks sweep them)."""
+    block_t (rows per program), num_warps: the launch, by default `launch_rows`'s (benchmarks sweep them)."""
     return _launch(logits, top_k, renormalize, None, 0.0, 1.0, block_t, num_warps)
 
 
@@ -104,7 +104,7 @@ def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormal
 def _launch(logits: torch.Tensor, top_k: int, renormalize: bool, bias: torch.Tensor | None, eps: float,
             scale: float, block_t: int | None, num_warps: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     num_rows, num_experts = logits.shape
-    rows, warps = launch(num_rows, num_experts)
+    rows, warps = launch_rows(num_rows, num_experts)
     block_t, num_warps = block_t or rows, num_warps or warps
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
