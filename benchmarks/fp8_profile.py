@@ -47,7 +47,7 @@ import torch
 
 from benchmarks import fp8_bench, gpu_bench
 from hybridcache import LLM
-from hybridcache.sampling import SamplingParams
+from hybridcache.sampling import RequestOutputKind, SamplingParams
 
 # kernel-name fragment -> family, tried before `step_profile.FAMILIES` (first match wins)
 # (`swiglu_quantize_rows`: the row-wise experts' SwiGLU with h's quantisation; `with_shared`: the shared expert
@@ -118,10 +118,11 @@ def profile_decode(llm: LLM, rng: random.Random, seqs: int, prompt_len: int, tab
     engine = llm.engine
     # no sequence finishes before the profiled steps end (a finish saves a checkpoint: not a decode step's work):
     # the staggered prefill takes at most `seqs` steps, and the first prompts decode during it
-    params = SamplingParams(temperature=0, max_tokens=seqs + DECODE_STEPS + PROFILED_STEPS + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=seqs + DECODE_STEPS + PROFILED_STEPS + 8, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     request_ids = [f"fp8prof-{time.perf_counter_ns()}-{i}" for i in range(seqs)]
     for request_id in request_ids:
-        engine.add_request(request_id, gpu_bench.letters(rng, prompt_len), params, final_only=True)
+        engine.add_request(request_id, gpu_bench.letters(rng, prompt_len), params)
     while any(s.num_computed < s.prompt_len for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     for _ in range(4):

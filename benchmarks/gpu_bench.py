@@ -123,7 +123,7 @@ from hybridcache.config import DTYPES
 from hybridcache.models.builtin import build_byte_tokenizer
 from hybridcache.models.mtp import MTP_MODEL_TYPES, write_random_mtp
 from hybridcache.models.random_weights import randomize_
-from hybridcache.sampling import SamplingParams
+from hybridcache.sampling import RequestOutputKind, SamplingParams
 
 MODELS = {
     "next-1b": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
@@ -385,10 +385,10 @@ def phase_d(llm: LLM, rng: random.Random, trace_step: int = 0) -> dict:
     torch.profiler (`traced_step`)."""
     prompts = [letters(rng, 1024) for _ in range(64)]
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"d{i}", prompt, params, final_only=True)  # as LLM.generate does
+        engine.add_request(f"d{i}", prompt, params)  # FINAL_ONLY, as LLM.generate runs them
     finished, prefill_steps, decode_steps, steps = {}, [], [], []
     while engine.has_unfinished_requests():
         step_start, prefilled = time.perf_counter(), engine.num_prefill_tokens

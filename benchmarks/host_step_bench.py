@@ -5,11 +5,11 @@ row per sampled sequence, its argmax a plain token) from the first step on, so w
 around a forward: `_prepare`, `Scheduler.schedule` (planning and the cache's commit), `_launch` (the input build,
 the stubbed forward, queueing the sampling), `_complete` (the sampled tokens into the sequences, the scheduler's and
 the cache's `accept`, outputs). Contexts of 1,100 and 16,000 tokens (the prompts are fed as stubbed prefill steps,
-then every step is a decode step of 64 rows), each with its requests' outputs returned once at the end (`final_only`,
-as `LLM.generate` runs them) and at every step, and run by the server's engine thread (`EngineLoop`, its metrics,
-one asyncio handler per request draining its outputs: the time between the thread's decode steps), streamed and
-not (`final_only`). Mean over the
-timed steps, after untimed ones.
+then every step is a decode step of 64 rows), each with its requests' outputs returned once at the end (FINAL_ONLY,
+as `LLM.generate` runs them), at every step (CUMULATIVE and DELTA), and run by the server's engine thread
+(`EngineLoop`, its metrics, one asyncio handler per request draining its outputs: the time between the thread's
+decode steps), streamed (DELTA) and not (FINAL_ONLY). Mean over the timed steps, after `--warm` untimed ones (the
+outputs are that many tokens long when timing starts: `--warm 4000` shows what long completions cost).
 
     .venv/bin/python benchmarks/host_step_bench.py                  # prints a table, writes results/host_step.json
     PYTHONPATH=<another tree> python benchmarks/host_step_bench.py --out /tmp/other.json   # the same on that tree
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import json
 import random
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from hybridcache import LLM, SamplingParams
+from hybridcache import LLM, RequestOutputKind, SamplingParams
 from hybridcache.engine import runner as runner_mod
 from hybridcache.server.engine_loop import EngineLoop
 from hybridcache.server.metrics import ServerMetrics
@@ -95,13 +96,14 @@ def time_served(context: int, seqs: int, steps: int, warm: int, final_only: bool
     return {"step": sum(gaps) / len(gaps) * 1e3}
 
 
-def time_steps(context: int, seqs: int, steps: int, warm: int, final_only: bool) -> dict[str, float]:
+def time_steps(context: int, seqs: int, steps: int, warm: int, kind: RequestOutputKind) -> dict[str, float]:
     """Mean ms per decode step, whole and by part, of `seqs` sequences whose prompts are `context` tokens;
-    `final_only` False: every step returns each request's output (as the server's requests are run)."""
+    `kind`: what the requests' outputs hold (`RequestOutputKind`)."""
     llm, prompts, params = stubbed_llm(context, seqs, warm + 2 * steps)
     engine = llm.engine
+    params = dataclasses.replace(params, output_kind=kind)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params, final_only=final_only)
+        engine.add_request(str(i), prompt, params)
     while engine.scheduler.waiting or any(s.num_computed < s.prompt_len for s in engine.scheduler.running):
         engine.step()
     for _ in range(warm):
@@ -141,7 +143,7 @@ def main() -> None:
     print("| context | outputs | step ms | " + " | ".join(PARTS.values()) + " |\n| --- | --- | --- |"
           + " --- |" * len(PARTS))
     for context in (int(c) for c in args.contexts.split(",")):
-        for outputs in ("final", "every step", "server, streamed", "server, not streamed"):
+        for outputs in ("final", "every step", "every step, delta", "server, streamed", "server, not streamed"):
             if outputs.startswith("server"):
                 try:
                     times = time_served(context, args.seqs, args.steps, args.warm,
@@ -150,7 +152,9 @@ def main() -> None:
                     print(f"| {context:,} | {outputs} | not in this tree: {error} |")
                     continue
             else:
-                times = time_steps(context, args.seqs, args.steps, args.warm, final_only=outputs == "final")
+                kind = {"final": RequestOutputKind.FINAL_ONLY, "every step": RequestOutputKind.CUMULATIVE}.get(
+                    outputs, RequestOutputKind.DELTA)
+                times = time_steps(context, args.seqs, args.steps, args.warm, kind)
             row = {"context": context, "outputs": outputs, **{k: round(v, 4) for k, v in times.items()}}
             rows.append(row)
             print(f"| {context:,} | {outputs} | {row['step']:.3f} | "

@@ -52,7 +52,7 @@ from gpu_bench import MODELS, CompileLog, letters, model_folder  # noqa: E402
 
 import hybridcache.engine.engine as engine_module  # noqa: E402
 from hybridcache import LLM  # noqa: E402
-from hybridcache.sampling import SamplingParams  # noqa: E402
+from hybridcache.sampling import RequestOutputKind, SamplingParams  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -86,9 +86,10 @@ def instrument(engine, times: dict[str, list[float]]) -> None:
 
 def decode_steps(engine, prompts: list[str], steps: int) -> list[float]:
     """Add the prompts, run until every sequence decodes, then time `steps` decode steps."""
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"p{time.perf_counter_ns()}-{i}", prompt, params, final_only=True)  # as LLM.generate
+        engine.add_request(f"p{time.perf_counter_ns()}-{i}", prompt, params)  # as LLM.generate
     while any(s.num_computed < s.prompt_len for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     walls = []

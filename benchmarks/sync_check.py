@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import letters, model_folder  # noqa: E402  (benchmarks/ is not a package)
 
 from hybridcache import LLM  # noqa: E402
-from hybridcache.sampling import SamplingParams  # noqa: E402
+from hybridcache.sampling import RequestOutputKind, SamplingParams  # noqa: E402
 
 _PROJECT = os.sep + "hybridcache" + os.sep
 
@@ -43,9 +43,9 @@ def call_site(message: str) -> str:
 
 def run(llm: LLM, rng: random.Random, sites: dict[str, collections.Counter] | None) -> None:
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(64):
-        engine.add_request(f"s{rng.random()}-{i}", letters(rng, 1024), params, final_only=True)
+        engine.add_request(f"s{rng.random()}-{i}", letters(rng, 1024), params)
     while engine.has_unfinished_requests():
         kind = "prefill" if engine.scheduler.waiting or any(
             s.num_computed < s.prompt_len for s in engine.scheduler.running) else "decode"

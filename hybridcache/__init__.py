@@ -13,6 +13,7 @@ _EXPORTS = {
     "LLMEngine": "hybridcache.engine.engine",
     "EngineConfig": "hybridcache.config",
     "SamplingParams": "hybridcache.sampling",
+    "RequestOutputKind": "hybridcache.sampling",
     "RequestOutput": "hybridcache.outputs",
     "CompletionOutput": "hybridcache.outputs",
 }

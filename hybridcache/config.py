@@ -116,7 +116,7 @@ class EngineConfig:
     in chunks of at most this many tokens. max_model_len: prompt + output limit (None = the model's length,
     `ModelConfig.max_model_len`; capped at 8192 on the CPU, where the pool is sized per sequence, not from a memory
     budget).
-    stream_interval: a request that is not `final_only` (a streamed one) gets its output at its first token, then
+    stream_interval: a request that is not FINAL_ONLY (a streamed one) gets its output at its first token, then
     once any of its completions has this many tokens more than its last output showed, and when one ends (vLLM's
     `--stream-interval`): a larger value builds and sends fewer outputs, less host work a step with many streams;
     its tokens are still timed every step (`LLMEngine.step_progress`). 1: every step.

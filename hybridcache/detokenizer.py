@@ -112,7 +112,7 @@ def detokenizer_for(tokenizer: Tokenizer, params: SamplingParams, *, deferred: b
 
 class DeferredDetokenizer:
     """`IncrementalDetokenizer`'s contract with no stop strings, at no cost per token: `add` only keeps the id and
-    `text` decodes all of them once (the engine uses it for `final_only` requests, whose text is read when they
+    `text` decodes all of them once (the engine uses it for FINAL_ONLY requests, whose text is read when they
     finish: one decode of n tokens instead of n incremental steps in every decode step's host time). After a
     prompt, that decode starts at its `prompt_suffix` and drops the text a stream primed with it returned."""
 

@@ -19,6 +19,7 @@ import functools
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,7 @@ from hybridcache.mm_processor import image_prompt, split_chat_images
 from hybridcache.model_path import resolve_model
 from hybridcache.multimodal import MultimodalInput
 from hybridcache.outputs import RequestOutput
-from hybridcache.sampling import SamplingParams
+from hybridcache.sampling import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -228,9 +229,10 @@ class LLM:
                     self._next_id += 1
                     step = partings[i](prompt.token_ids) if partings else None
                     hints = (step,) if step else ()
-                    params = params.up_to(self.engine.max_model_len - len(prompt.token_ids))  # max_tokens=None
-                    self.engine.add_request(request_id, prompt, params, mm_inputs, final_only=True,
-                                            checkpoints_at=hints, cache_salt=salts[i])
+                    params = replace(params.up_to(self.engine.max_model_len - len(prompt.token_ids)),  # max_tokens=None
+                                     output_kind=RequestOutputKind.FINAL_ONLY)
+                    self.engine.add_request(request_id, prompt, params, mm_inputs, checkpoints_at=hints,
+                                            cache_salt=salts[i])
                     ids.append(request_id)
                 interrupts.raise_held()
                 while self.engine.has_unfinished_requests():

@@ -60,6 +60,36 @@ class RequestOutput:
     kv_transfer_params: None = None
 
 
+def add_delta(total: RequestOutput, delta: RequestOutput) -> RequestOutput:
+    """`total` (a request's outputs so far, added up) with the next DELTA output `delta` added, in place; returns
+    `total`. Each completion's token ids, text and logprobs are extended by `delta`'s; the other fields, which a
+    DELTA output holds whole, become `delta`'s (the prompt logprobs stay the first output's). Costs O(what is new),
+    amortized: the lists are extended, not copied. `delta` must not be used after (its lists may now be `total`'s).
+
+        total "ab" [5, 6], delta "c" [7] finish "stop"  ->  total "abc" [5, 6, 7] finish "stop"
+    """
+    completions = {c.index: c for c in total.outputs}
+    for new in delta.outputs:
+        old = completions.get(new.index)
+        if old is None:
+            total.outputs.append(new)
+            continue
+        old.text += new.text
+        old.token_ids.extend(new.token_ids)
+        if old.logprobs is None:
+            old.logprobs = new.logprobs
+        elif new.logprobs is not None:
+            old.logprobs.extend(new.logprobs)
+        for name in ("finish_reason", "num_cached_tokens", "cumulative_logprob", "stop_reason", "num_draft_tokens",
+                     "num_accepted_tokens"):
+            setattr(old, name, getattr(new, name))
+    total.num_cached_tokens = delta.num_cached_tokens
+    total.finished = delta.finished
+    if total.prompt_logprobs is None:
+        total.prompt_logprobs = delta.prompt_logprobs
+    return total
+
+
 @dataclass(frozen=True)
 class RequestProgress:
     """What one step did for a `final_only` request that is still running, whose output comes only when it ends

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -61,6 +62,22 @@ MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 GREEDY_TEMPERATURE = 1e-5  # below it, sampling is greedy (as in vLLM)
 
 
+class RequestOutputKind(enum.Enum):
+    """What a streamed request's outputs hold (vLLM's `RequestOutputKind`, its values). CUMULATIVE: everything so
+    far, at every step that gave it tokens. DELTA: what is new since its last output: each completion's new text,
+    token ids and logprobs (the other fields as CUMULATIVE's: finish and stop reasons, cached tokens, the summed
+    logprob, draft counts; the prompt logprobs in the first output only), so a long completion costs the same at
+    every step; `hybridcache.outputs.add_delta` adds one to the outputs before it. FINAL_ONLY: one output, when the
+    request ends (what `LLM.generate` uses).
+
+        tokens "ab", "c", "d" over three steps:  CUMULATIVE "ab", "abc", "abcd";  DELTA "ab", "c", "d";
+                                                 FINAL_ONLY "abcd" at the end"""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request's completions, in the shape vLLM users know.
@@ -89,7 +106,8 @@ class SamplingParams:
     `include_stop_str_in_output`: the text keeps the stop string or the decoded stop token (EOS or one of
     `stop_token_ids`; a special token only with `skip_special_tokens` off) that ended it; without it neither
     appears in the text. `skip_special_tokens`: special tokens are left out of the text (as vLLM; their ids stay
-    in `token_ids`).
+    in `token_ids`). `output_kind`: what the engine's outputs of a streamed request hold (`RequestOutputKind`;
+    `LLM.generate` runs its requests as FINAL_ONLY whatever this says).
     Integer fields refuse bools and numeric ones non-finite values; numbers are stored as floats. numpy scalars
     (`np.int64`, `np.float32`, ...) are taken as the Python numbers they hold.
     """
@@ -114,6 +132,7 @@ class SamplingParams:
     guided: object | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         for name in _NUMBER_FIELDS:
@@ -153,6 +172,8 @@ class SamplingParams:
              f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}"),
             (isinstance(self.skip_special_tokens, bool),
              f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}"),
+            (isinstance(self.output_kind, RequestOutputKind),
+             f"output_kind must be a RequestOutputKind, got {self.output_kind!r}"),
             (_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
             (_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,

@@ -315,7 +315,7 @@ class LLMEngine:
         tokenizer_eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         self.eos_token_ids = frozenset((*self.model_config.eos_token_ids, *tokenizer_eos))
         self._requests: dict[str, RequestState] = {}
-        self._progress: list[RequestState] = []  # the last step's final_only requests with tokens (`step_progress`)
+        self._progress: list[RequestState] = []  # the last step's FINAL_ONLY requests with tokens (`step_progress`)
         self._seq_counter = itertools.count()
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)  # the seeds of completions without their own (vLLM's engine seed)
@@ -348,7 +348,6 @@ class LLMEngine:
         params: SamplingParams | None = None,
         mm_inputs: SequenceOf[MultimodalInput] = (),
         *,
-        final_only: bool = False,
         checkpoints_at: SequenceOf[int] = (),
         cache_salt: str | None = None,
     ) -> None:
@@ -356,9 +355,10 @@ class LLMEngine:
         a duplicate id. `prompt`: text, token ids, or what `validate_prompt` returned (not checked again).
         `mm_inputs`: multimodal spans of the prompt (see `hybridcache.multimodal`); image spans that carry
         `pixel_values` (`mm_processor.ImageProcessor.expand`) are encoded here by the vision tower, or served by
-        its encoder cache (a model without a vision tower refuses them). `final_only`: `step` returns
-        this request's output only when it finishes (vLLM's FINAL_ONLY output kind; what `LLM.generate` uses:
-        building the cumulative output of every request at every step costs host time). `checkpoints_at`: prompt
+        its encoder cache (a model without a vision tower refuses them). `params.output_kind` says what `step`
+        returns of it (`RequestOutputKind`: everything so far, what is new, or one output when it finishes, which
+        `LLM.generate` uses: building the cumulative output of every request at every step costs host time, and
+        grows with the output). `checkpoints_at`: prompt
         steps where later prompts are expected to part from this one (a chat's end before its generation prompt,
         where the next turn's prompt, with this turn's reply in it, parts from this one): a prefill chunk ends at
         each, and the prefix cache saves a checkpoint there as at a branch point (in the `hybridcache` cache mode;
@@ -403,8 +403,7 @@ class LLMEngine:
                     cache_salt=cache_salt,
                 )
             )
-        request = self.output_processor.new_request(request_id, prompt.text, len(prompt_ids), params, seqs,
-                                           final_only=final_only)
+        request = self.output_processor.new_request(request_id, prompt.text, len(prompt_ids), params, seqs)
         self._requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -461,7 +460,7 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Run one forward; returns the output so far of every request that sampled a token in it, except
-        `final_only` requests still running (`finished` tells which are done; their memory is already released).
+        FINAL_ONLY requests still running (`finished` tells which are done; their memory is already released).
         With async scheduling a call launches one step and returns the outputs of the step before (the module
         docstring); keep calling it while `has_unfinished_requests()`.
 
@@ -831,7 +830,7 @@ class LLMEngine:
         return _Launched(scheduled.chunks, [c.seq for c in scheduled.chunks], None, deferred=queued)
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
-        """The outputs of the requests a step touched (a streaming request's every step, a `final_only` one's
+        """The outputs of the requests a step touched (a streaming request's every step, a FINAL_ONLY one's
         last; the others' progress goes to `step_progress`); finished requests are forgotten."""
         outputs = []
         for request_id, request in touched.items():
@@ -860,7 +859,7 @@ class LLMEngine:
         return True
 
     def step_progress(self) -> list[RequestProgress]:
-        """The `final_only` requests still running that the last `step()` gave tokens (their outputs come only
+        """The FINAL_ONLY requests still running that the last `step()` gave tokens (their outputs come only
         when they end), in the order their outputs would have come. Read it before the next `step()` (it is
         built from the requests as they are now: the next step moves them on)."""
         progress = []

@@ -14,7 +14,8 @@ The engine's step loop (`engine.py`) owns the requests and the sequences; it cal
   (the stop string, also when a stop token decoded with `include_stop_str_in_output` completes one; else the
   stop token id; None for the tokenizer's EOS). It never touches the scheduler: the engine finishes the
   sequence when a reason comes back;
-- `output(state)` for the cumulative output of a request (also after an abort).
+- `output(state)` for the output of a request (also after an abort): everything so far, or with
+  `RequestOutputKind.DELTA` what is new since its last output.
 
 Logprob entries name their tokens as vLLM's `LogprobsProcessor` does (`detokenizer.token_text`): a token whose
 own text ends in part of a character is read with the tokens before its position (sampled tokens for a sample,
@@ -43,6 +44,7 @@ from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.sampling import (
     Logprob,
     PromptLogprobs,
+    RequestOutputKind,
     SampleLogprobs,
     SamplingParams,
     TokenLogprob,
@@ -61,13 +63,12 @@ class RequestState:
     tokens' logprobs (vLLM's entries, when asked for) and `cumulative_logprobs[i]` their sum, `stop_reasons[i]`
     the stop string or stop token that ended it (vLLM's `stop_reason`), `matchers[i]` its own grammar state
     (structured output; None when unconstrained), `prompt_logprobs` the prompt's logprobs when asked for (entry p
-    for prompt token p, None for p = 0 and until computed); `final_only`: `step` returns its output only once it
-    has finished."""
+    for prompt token p, None for p = 0 and until computed); `sent[i]`: completion i's (output tokens, characters)
+    that earlier DELTA outputs held (`params.output_kind`; empty before the first)."""
 
     request_id: str
     prompt: str | None
     params: SamplingParams
-    final_only: bool = False
     seqs: list[Seq] = field(default_factory=list)
     texts: list[IncrementalDetokenizer | DeferredDetokenizer] = field(default_factory=list)
     logprobs: list[SampleLogprobs] = field(default_factory=list)
@@ -77,6 +78,7 @@ class RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     last_shown: tuple[tuple[int, bool], ...] = ()  # each completion's (tokens, ended) at its last streamed output
+    sent: list[tuple[int, int]] = field(default_factory=list)
 
     def shown(self) -> tuple[tuple[int, bool], ...]:
         """Each completion's output tokens so far and whether it has ended (what an output of it now would show)."""
@@ -85,6 +87,11 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
+
+    @property
+    def final_only(self) -> bool:
+        """`step` returns its output only once it has finished (`RequestOutputKind.FINAL_ONLY`)."""
+        return self.params.output_kind is RequestOutputKind.FINAL_ONLY
 
 
 class OutputProcessor:
@@ -98,19 +105,20 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def new_request(self, request_id: str, prompt: str | None, prompt_len: int, params: SamplingParams,
-                    seqs: Sequence[Seq], *, final_only: bool) -> RequestState:
+                    seqs: Sequence[Seq]) -> RequestState:
         """The state of a new request whose completions are `seqs`: a detokenizer (primed with the prompt's last
-        tokens, as vLLM's: a character begun in the prompt is completed by the completion's first token), an empty
-        logprob list and a grammar matcher (when guided) per completion, room for the prompt logprobs when asked
-        for."""
-        state = RequestState(request_id, prompt, params, final_only=final_only, seqs=list(seqs),
+        tokens, as vLLM's: a character begun in the prompt is completed by the completion's first token; deferred
+        for FINAL_ONLY), an empty logprob list and a grammar matcher (when guided) per completion, room for the
+        prompt logprobs when asked for."""
+        state = RequestState(request_id, prompt, params, seqs=list(seqs),
                              prompt_token_ids=seqs[0].token_ids[: seqs[0].prompt_len])
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * prompt_len
         first = state.seqs[0]
         prompt_tail = first.token_ids[max(0, first.prompt_len - PROMPT_CONTEXT): first.prompt_len]
         for _ in state.seqs:
-            state.texts.append(detokenizer_for(self.tokenizer, params, deferred=final_only, prompt_ids=prompt_tail))
+            state.texts.append(detokenizer_for(self.tokenizer, params, deferred=state.final_only,
+                                               prompt_ids=prompt_tail))
             state.logprobs.append([])
             state.cumulative_logprobs.append(0.0)
             state.stop_reasons.append(None)
@@ -233,19 +241,33 @@ class OutputProcessor:
                 self._named(entry, seq.token_ids[max(1, p - 4): p]) for p, entry in enumerate(entries, start=first)]
 
     def output(self, state: RequestState) -> RequestOutput:
-        """The request's output so far: each completion's text (until it finishes, without what may begin a stop
-        string: `IncrementalDetokenizer.shown`), token ids, finish and stop reasons, cached tokens,
-        logprobs and their sum (when asked for) and speculative draft counts, and the prompt logprobs."""
+        """The request's output: each completion's text (until it finishes, without what may begin a stop
+        string: `IncrementalDetokenizer.shown`), token ids, finish and stop reasons, cached tokens, logprobs and
+        their sum (when asked for) and speculative draft counts, and the prompt logprobs. With
+        `RequestOutputKind.DELTA` the text, token ids and logprobs are what earlier outputs did not hold (the
+        shown text only grows: each is a prefix of the next, and of the final text), and the prompt logprobs come
+        in the first output only."""
         asked = state.params.logprobs is not None
-        completions = [
-            CompletionOutput(seq.index, text.shown(seq.is_finished), seq.output_ids, seq.finish_reason,
-                             seq.num_cached or 0,
-                             logprobs=list(state.logprobs[i]) if asked else None,
-                             cumulative_logprob=state.cumulative_logprobs[i] if asked else None,
-                             stop_reason=state.stop_reasons[i] if seq.finish_reason == "stop" else None,
-                             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens)
-            for i, (seq, text) in enumerate(zip(state.seqs, state.texts))
-        ]
+        delta = state.params.output_kind is RequestOutputKind.DELTA
+        prompt_logprobs = state.prompt_logprobs
+        if delta:
+            if state.sent:
+                prompt_logprobs = None
+            else:
+                state.sent = [(0, 0)] * len(state.seqs)
+        completions = []
+        for i, (seq, text) in enumerate(zip(state.seqs, state.texts)):
+            shown = text.shown(seq.is_finished)
+            num_tokens, num_chars = state.sent[i] if delta else (0, 0)
+            if delta:
+                state.sent[i] = (seq.num_tokens - seq.prompt_len, len(shown))
+                shown = shown[num_chars:]
+            completions.append(CompletionOutput(
+                seq.index, shown, seq.token_ids[seq.prompt_len + num_tokens:], seq.finish_reason, seq.num_cached or 0,
+                logprobs=state.logprobs[i][num_tokens:] if asked else None,
+                cumulative_logprob=state.cumulative_logprobs[i] if asked else None,
+                stop_reason=state.stop_reasons[i] if seq.finish_reason == "stop" else None,
+                num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens))
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -253,5 +275,5 @@ class OutputProcessor:
             outputs=completions,
             num_cached_tokens=min(c.num_cached_tokens for c in completions),
             finished=state.finished,
-            prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
+            prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
         )

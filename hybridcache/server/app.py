@@ -64,7 +64,7 @@ from hybridcache.generation_config import SamplingDefaults
 from hybridcache.guided import GrammarCache, GuidedKind
 from hybridcache.images import MediaLimits
 from hybridcache.mm_processor import split_chat_images
-from hybridcache.outputs import RequestOutput
+from hybridcache.outputs import RequestOutput, add_delta
 from hybridcache.sampling import SamplingParams
 from hybridcache.server import log_limits, reasoning
 from hybridcache.server.admission import admission_errors, until_final
@@ -679,13 +679,15 @@ def _decode_json(body: bytes) -> Any:
 
 async def request_outputs(sink: asyncio.Queue, rendering: Rendering,
                           deadline: float | None = None) -> AsyncIterator[RequestOutput]:
-    """A request's outputs as its choices show them (`responses.shown`; the engine loop keeps only the newest on
-    `sink`: each holds all text so far). Raises EngineFailure when the engine failed while running the request,
+    """A request's outputs as its choices show them (`responses.shown`; the engine loop adds up on `sink` what
+    its handler has not taken yet). Raises EngineFailure when the engine failed while running the request,
     RequestTimeout when it has not finished by `deadline` (the event loop's clock; None: never; the engine loop
     also aborts it past the server's timeout, when this handler is stuck writing to a client that stopped
     reading). An output already on `sink` is taken whatever the clock says: the deadline bounds only waiting (on
     Python <= 3.11 `wait_for(get(), 0)` dropped a finished answer queued while the handler was writing to a slow
-    client)."""
+    client). The outputs of a streamed request, DELTA on its queue, are added up here (`add_delta`): each one
+    yielded holds everything so far (it is the same object, grown: read it before the next)."""
+    total: RequestOutput | None = None
     while True:
         if not sink.empty():
             item = sink.get_nowait()
@@ -702,8 +704,9 @@ async def request_outputs(sink: asyncio.Queue, rendering: Rendering,
                                      "(--request-timeout); it was aborted") from None
         if isinstance(item, Exception):
             raise item
-        yield shown(item, rendering)
-        if item.finished:
+        total = item if total is None else add_delta(total, item)
+        yield shown(total, rendering)
+        if total.finished:
             return
 
 

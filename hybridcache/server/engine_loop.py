@@ -14,14 +14,16 @@ and a batch of prompts (one `_Add`) is queued whole: all its prompts join the sa
 bad prompt, or `max_queued_requests` waiting sequences: `QueueFull`).
 A step's outputs go over in one call (each call wakes the event loop, which then takes the GIL from this thread).
 Each item on a request's queue is a `RequestOutput` (the last one has `finished` set), an `EngineFailure` (the
-engine raised; the request was aborted) or a `RequestTimeout` (it ran past `request_timeout_s`; aborted). An output
-takes the place of those its handler has not taken yet (each holds everything so far, as vLLM's
-`RequestOutputCollector` merges them), so a handler that stopped reading (a stream whose client stopped reading
-blocks in its write) holds one output, not one per step; and the thread itself aborts a request past its
-deadline, whether or not its handler is listening. After every step the thread publishes an `EngineState` snapshot
-that any thread may read (`state`), and, every `stats_interval_s` seconds while something changes, logs the
-stats line (`server.stats_log`); an idle thread waits on its queue only as long as a pending line allows, and
-when its wait ends the next line's interval starts there (a line covers at most one interval of activity).
+engine raised; the request was aborted) or a `RequestTimeout` (it ran past `request_timeout_s`; aborted). A streamed
+request runs as `RequestOutputKind.DELTA` (each output holds what is new, so a long completion costs the engine
+thread the same at every step), one that is not as FINAL_ONLY. An output is added to the one its handler has not
+taken yet (`outputs.add_delta`, as vLLM's `RequestOutputCollector` merges them), so a handler that stopped reading
+(a stream whose client stopped reading blocks in its write) holds one output, not one per step; and the thread
+itself aborts a request past its deadline, whether or not its handler is listening. After every step the thread
+publishes an `EngineState` snapshot that any thread may read (`state`), and, every `stats_interval_s` seconds while
+something changes, logs the stats line (`server.stats_log`); an idle thread waits on its queue only as long as a
+pending line allows, and when its wait ends the next line's interval starts there (a line covers at most one
+interval of activity).
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybridcache.engine.engine import EngineDeadError
-from hybridcache.outputs import RequestOutput, RequestProgress
-from hybridcache.sampling import SamplingParams
+from hybridcache.outputs import RequestOutput, RequestProgress, add_delta
+from hybridcache.sampling import RequestOutputKind, SamplingParams
 from hybridcache.server import log_limits
 from hybridcache.server.engine_state import EngineState, check_engine, read_engine_state
 from hybridcache.server.limits import QueueFull, RequestTimeout
@@ -71,7 +73,7 @@ class _Add:
     arrival: float  # perf_counter() when the event loop queued them (TTFT, e2e and the deadline count from here)
     echo_only: bool = False  # `max_tokens: 0` with echo: the one token each asks for is no generated token
     cache_salt: str | None = None  # every prompt's `LLMEngine.add_request` cache_salt (the request body's)
-    final_only: bool = False  # not streamed: the engine's `final_only` (its queue gets the final output only)
+    final_only: bool = False  # not streamed: the engine's FINAL_ONLY (its queue gets the final output only)
 
 
 @dataclass
@@ -101,7 +103,8 @@ class _Completion:
     """Engine-thread bookkeeping of one of a request's n completions (vLLM runs each as a child request of its
     own, observed on its own in the latency histograms)."""
 
-    num_tokens: int = 0
+    num_tokens: int = 0  # timed (TTFT, ITL)
+    received: int = 0  # held by the request's outputs so far
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None
@@ -185,8 +188,9 @@ class EngineLoop:
         queues. `echo_only`: completions' `max_tokens: 0` with echo, whose one sampled token no choice shows: the
         generation counters count 0 tokens for them, as `usage` does. `cache_salt`: the request body's (vLLM's
         field), given to every prompt's `LLMEngine.add_request` (a bad one is its ValueError). `final_only`: the
-        requests are not streamed: each queue gets its request's final output only (the engine's `final_only`:
-        no output is built at the steps before; their tokens are still timed, from `LLMEngine.step_progress`).
+        requests are not streamed: each queue gets its request's final output only (the engine's FINAL_ONLY: no
+        output is built at the steps before; their tokens are still timed, from `LLMEngine.step_progress`); else
+        they run as DELTA, and a queue's outputs add up to the request's (`outputs.add_delta`).
         Their arrival (TTFT, e2e, the request timeout) is now, even when the engine thread is busy with a step.
         All or nothing: raises the engine's ValueError/TypeError for a bad one, QueueFull when the waiting
         sequences would pass `max_queued_requests`, EngineFailure when the engine is dead."""
@@ -357,11 +361,13 @@ class EngineLoop:
                     f"{incoming} to the {self._max_queued} allowed (--max-queued-requests)"))
                 return
         added: list[str] = []
+        params = replace(command.params, output_kind=RequestOutputKind.FINAL_ONLY if command.final_only
+                         else RequestOutputKind.DELTA)
         try:
             for request_id, prompt, spans, hints in zip(command.request_ids, command.prompts, command.mm_inputs,
                                                         command.checkpoints_at):
-                engine.add_request(request_id, prompt, command.params, spans, checkpoints_at=hints,
-                                   cache_salt=command.cache_salt, final_only=command.final_only)
+                engine.add_request(request_id, prompt, params, spans, checkpoints_at=hints,
+                                   cache_salt=command.cache_salt)
                 added.append(request_id)
         except Exception as error:  # noqa: BLE001 - handed to the caller
             for request_id in added:
@@ -403,8 +409,8 @@ class EngineLoop:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            self._count_step(stream, [(len(c.token_ids), c.finish_reason is not None) for c in output.outputs],
-                             len(output.prompt_token_ids), output.num_cached_tokens, now)
+            self._count_step(stream, self._received(stream, output), len(output.prompt_token_ids),
+                             output.num_cached_tokens, now)
             if output.finished:
                 del self._streams[output.request_id]
                 self._record_finish(stream, output)
@@ -413,6 +419,18 @@ class EngineLoop:
             self._metrics.generation_tokens.inc(self._generated - generated)
         if sent:
             self._call_soon(_put_each, sent)
+
+    @staticmethod
+    def _received(stream: _Stream, output: RequestOutput) -> list[tuple[int, bool]]:
+        """Each completion's (output tokens the request's outputs have held, whether it has ended), `output` counted
+        in (a DELTA output holds the new tokens, a FINAL_ONLY one all of them)."""
+        counts = []
+        for c in output.outputs:
+            stream.completions.extend(_Completion() for _ in range(c.index + 1 - len(stream.completions)))
+            completion = stream.completions[c.index]
+            completion.received += len(c.token_ids)
+            counts.append((completion.received, c.finish_reason is not None))
+        return counts
 
     def _count_step(self, stream: _Stream, completions: Iterable[tuple[int, bool]], num_prompt_tokens: int,
                     num_cached_tokens: int, now: float) -> None:
@@ -463,6 +481,7 @@ class EngineLoop:
         computed = stream is not None and self._computed(request_id, stream)
         output = self._engine.abort(request_id)
         if stream is not None and output is not None:
+            self._received(stream, output)
             self._record_finish(stream, output, computed=computed)
         return stream, output
 
@@ -489,6 +508,7 @@ class EngineLoop:
                 logger.exception("abort of %s failed", request_id)
                 output = None
             if output is not None:
+                self._received(stream, output)
                 self._record_finish(stream, output, reason_override="error" if error is not None else None,
                                     computed=computed)
             if error is not None:
@@ -516,8 +536,9 @@ class EngineLoop:
 
     def _record_finish(self, stream: _Stream, output: RequestOutput, reason_override: str | None = None,
                        computed: bool = True) -> None:
-        """Count an ended request: its prompt and cached tokens (as `usage` reports them) and its choices' finish
-        reasons; `computed` False (aborted before its prompt was computed): only the choices, as aborted."""
+        """Count an ended request (its last `output`, `_received` already): its prompt and cached tokens (as
+        `usage` reports them), its choices' finish reasons and tokens; `computed` False (aborted before its prompt
+        was computed): only the choices, as aborted."""
         if not computed:  # it queried nothing
             if self._metrics is not None:
                 self._metrics.completions_ended([reason_override or "abort"] * len(output.outputs))
@@ -536,7 +557,7 @@ class EngineLoop:
                                        [(c.finish_time or now) - stream.arrival for c in completions],
                                        [(c.num_draft_tokens, c.num_accepted_tokens) for c in output.outputs],
                                        [_phases(stream, c) for c in completions],
-                                       [0 if stream.echo_only else len(c.token_ids) for c in output.outputs])
+                                       [0 if stream.echo_only else c.received for c in completions])
 
     def _publish_state(self) -> None:
         # The blocks running sequences hold (vllm:kv_cache_usage_perc) are recounted at most every
@@ -587,12 +608,14 @@ class EngineLoop:
 
 
 def _put_latest(sink: asyncio.Queue, item: RequestOutput | Exception) -> None:
-    """Put `item` on a request's queue in place of what its handler has not taken yet (every output holds all so
-    far); an exception is the last item and is kept."""
+    """Put `item` on a request's queue, added to the output its handler has not taken yet (`add_delta`: DELTA
+    outputs add up); an exception is the last item and is kept (an output still queued then goes unread)."""
     while not sink.empty():
         held = sink.get_nowait()
         if isinstance(held, Exception):
             item = held
+        elif isinstance(item, RequestOutput):
+            item = add_delta(held, item)
     sink.put_nowait(item)
 
 

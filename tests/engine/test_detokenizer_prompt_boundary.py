@@ -149,7 +149,7 @@ def test_output_processor_primes_and_the_first_tokens_logprob_text_is_vllms(toke
     processor = OutputProcessor(tokenizer, None, frozenset({tokenizer.eos_token_id}), 10**6)
     params = SamplingParams(logprobs=0, max_tokens=5)
     seq = Seq(0, "r", 0, list(prompt), len(prompt), params.up_to(10**6 - len(prompt)), None, 0)
-    state = processor.new_request("r", None, len(prompt), seq.params, [seq], final_only=False)
+    state = processor.new_request("r", None, len(prompt), seq.params, [seq])
     seq.token_ids.append(last)
     assert processor.accept(state, seq, last, TokenLogprob(last, -1.0, 1, ())) is None
     assert processor.output(state).outputs[0].text == "€"

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hybridcache import LLM, SamplingParams
+from hybridcache import LLM, RequestOutputKind, SamplingParams
 from hybridcache.engine.engine import LLMEngine
 
 from .model_folders import load_hf_model, prompts_of, write_tiny_model
@@ -239,12 +239,12 @@ def test_abort_mid_prefill_and_mid_decode_releases_everything(model_dir):
 
 
 def test_final_only_requests_come_out_once_finished_with_the_same_tokens(model_dir):
-    """`add_request(..., final_only=True)` (what LLM.generate uses): `step` returns nothing for the request
-    until it finishes, then its full output, equal to what a streamed request ends with."""
+    """FINAL_ONLY requests (what LLM.generate uses): `step` returns nothing for the request until it finishes,
+    then its full output, equal to what a streamed request ends with."""
     engine = small_llm(model_dir).engine
     prompt = prompts_of([30], seed=3)[0]
     engine.add_request("streamed", prompt, GREEDY)
-    engine.add_request("final", prompt, GREEDY, final_only=True)
+    engine.add_request("final", prompt, dataclasses.replace(GREEDY, output_kind=RequestOutputKind.FINAL_ONLY))
     seen: dict[str, list] = {"streamed": [], "final": []}
     while engine.has_unfinished_requests():
         for output in engine.step():

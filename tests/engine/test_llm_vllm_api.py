@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import typing
+from dataclasses import replace
 
 import pytest
 
-from hybridcache import LLM, SamplingParams
+from hybridcache import LLM, RequestOutputKind, SamplingParams
 from hybridcache.detokenizer import token_text
 from hybridcache.mm_processor import CHAT_ROLES, split_chat_images, template_content
+from hybridcache.outputs import add_delta
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +137,7 @@ def test_outputs_have_vllms_other_members(llm):
 
 _DISK_SCRIPT = """
 import pathlib, sys
-from hybridcache import LLM, SamplingParams
+from hybridcache import LLM, RequestOutputKind, SamplingParams
 prompt = "The quick brown fox jumps over the lazy dog. " * 4
 
 
@@ -344,7 +346,7 @@ def test_every_step_output_of_a_request_hands_out_its_prompt_ids_and_only_them(l
 
 
 def test_a_final_only_request_reports_its_progress_each_step_and_one_output_at_its_end(llm):
-    """`final_only` requests build no output until they end; `step_progress` gives, after each step that gave them
+    """FINAL_ONLY requests build no output until they end; `step_progress` gives, after each step that gave them
     tokens, what their output would have said: each completion's output tokens so far, whether it ended, the
     prompt's and the cached tokens (the server times their tokens from it). Checked against the same request run
     streamed on the same cache state (cleared before each run)."""
@@ -354,7 +356,8 @@ def test_a_final_only_request_reports_its_progress_each_step_and_one_output_at_i
     runs = {}
     for final_only in (False, True):
         engine.clear_cache()
-        engine.add_request("r", prompt, params, final_only=final_only)
+        kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE
+        engine.add_request("r", prompt, replace(params, output_kind=kind))
         steps, outputs = [], []
         while engine.has_unfinished_requests():
             step_outputs = engine.step()
@@ -370,6 +373,40 @@ def test_a_final_only_request_reports_its_progress_each_step_and_one_output_at_i
         assert [len(c.token_ids) for c in outputs[-1].outputs] == [6, 6]
     assert runs[True] == runs[False]
     assert len(runs[True]) >= 6 and runs[True][0][0] == len(prompt)
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("stop", [(), ("e ", "\n\n")], ids=["no-stop", "stop-strings"])
+def test_delta_outputs_add_up_to_the_cumulative_outputs_at_every_step(llm, stop):
+    """DELTA outputs hold what is new; added up (`add_delta`) they equal, step by step, the CUMULATIVE outputs of
+    the same request on the same cache state: texts (the byte-level model samples bytes that leave characters
+    incomplete, and stop strings hold text back), token ids, logprobs, finish and stop reasons, the summed logprob.
+    The prompt logprobs come in the first DELTA output only."""
+    engine = llm.engine
+    prompt = llm.tokenizer.encode("Deltas add up: caf\u00e9 \u20ac \U0001f600 and more text to run the sampler on. ")
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=48, n=2, logprobs=2, prompt_logprobs=1, stop=stop)
+    runs = {}
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        engine.clear_cache()
+        engine.add_request("r", prompt, replace(params, output_kind=kind))
+        runs[kind] = []
+        while engine.has_unfinished_requests():
+            runs[kind] += engine.step()
+    cumulative, deltas = runs[RequestOutputKind.CUMULATIVE], runs[RequestOutputKind.DELTA]
+    assert len(cumulative) == len(deltas) >= 24
+    assert deltas[0].prompt_logprobs == cumulative[0].prompt_logprobs is not None
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+    fields = ("index", "text", "token_ids", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob",
+              "num_cached_tokens")
+    total = None
+    for step, (whole, delta) in enumerate(zip(cumulative, deltas)):
+        assert sum(len(c.token_ids) for c in delta.outputs) <= 2 * max(1, engine.config.stream_interval)
+        total = delta if total is None else add_delta(total, delta)
+        assert total.finished == whole.finished and total.num_cached_tokens == whole.num_cached_tokens
+        for got, want in zip(total.outputs, whole.outputs, strict=True):
+            assert [getattr(got, f) for f in fields] == [getattr(want, f) for f in fields], step
+    assert total.finished and all(len(c.token_ids) for c in total.outputs)
+    assert any(c.token_ids and not c.text for d in deltas for c in d.outputs)  # text held back for later steps
     engine.check_integrity()
 
 

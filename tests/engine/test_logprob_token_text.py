@@ -69,7 +69,7 @@ def _processor_and_seq(tokenizer: Tokenizer, prompt: str, params: SamplingParams
     processor = OutputProcessor(tokenizer, None, frozenset({tokenizer.eos_token_id}), 10**6)
     prompt_ids = tokenizer.encode(prompt)
     seq = Seq(0, "r", 0, list(prompt_ids), len(prompt_ids), params.up_to(10**6 - len(prompt_ids)), None, 0)
-    state = processor.new_request("r", None, len(prompt_ids), seq.params, [seq], final_only=False)
+    state = processor.new_request("r", None, len(prompt_ids), seq.params, [seq])
     return processor, seq, state
 
 

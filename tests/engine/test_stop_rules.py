@@ -148,7 +148,7 @@ def _accept_all(tokenizer: Tokenizer, ids: list[int], params: SamplingParams, eo
     processor = OutputProcessor(tokenizer, None, frozenset({eos}), 10**6)
     prompt = tokenizer.encode("hello")
     seq = Seq(0, "r", 0, list(prompt), len(prompt), params.up_to(10**6 - len(prompt)), None, 0)
-    state = processor.new_request("r", None, len(prompt), seq.params, [seq], final_only=False)
+    state = processor.new_request("r", None, len(prompt), seq.params, [seq])
     reason = None
     for token in ids:
         seq.token_ids.append(token)

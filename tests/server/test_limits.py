@@ -13,7 +13,7 @@ import pytest
 from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.sampling import SamplingParams
-from hybridcache.server.app import ServedModel, _Routes
+from hybridcache.server.app import ServedModel, _Routes, request_outputs
 from hybridcache.server.cli import api_keys
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.engine_loop import EngineLoop
@@ -26,6 +26,7 @@ from hybridcache.server.limits import (
     max_token_bytes,
 )
 from hybridcache.server.log_limits import RateLimitFilter
+from hybridcache.server.responses import Rendering
 from tests.server.conftest import ThreadRecordingTokenizer
 
 
@@ -134,6 +135,14 @@ class _StepCounting:
         return getattr(self._engine, name)
 
 
+async def _final(sink: asyncio.Queue):
+    """A request's outputs added up (the engine loop streams DELTA outputs), once it has finished."""
+    async for output in request_outputs(sink, Rendering()):
+        if output.finished:
+            return output
+    raise AssertionError("the outputs ended before the request finished")
+
+
 def test_a_batch_joins_one_step_and_the_queue_cap_refuses_it_whole():
     """A batch of prompts used to be added one prompt per engine step (3,000 prompts: 3,000 steps before the
     last one started). Now one command queues them all before the next step, or none of them."""
@@ -151,12 +160,7 @@ def test_a_batch_joins_one_step_and_the_queue_cap_refuses_it_whole():
                 await loop_engine.add_many(["x", "y"], ["over", "the cap"], SamplingParams(n=4, max_tokens=2))
             with pytest.raises(ValueError, match="prompt"):  # one bad prompt: none of the batch is queued
                 await loop_engine.add_many(["ok", "bad"], ["fine", [10**7]], params)
-            finals = []
-            for sink in busy + sinks:
-                while not (output := await sink.get()).finished:
-                    pass
-                finals.append(output)
-            return finals
+            return [await _final(sink) for sink in busy + sinks]
         finally:
             await asyncio.to_thread(loop_engine.stop)
 
@@ -174,9 +178,7 @@ def test_an_answer_queued_before_the_handler_reads_it_is_not_lost_to_its_deadlin
     finished answer in time: `wait_for(get(), 0)` (Python <= 3.11) dropped it and the client got a request_timeout
     error for a request the engine finished. The deadline bounds only waiting: a queued answer is taken."""
     from hybridcache.outputs import CompletionOutput, RequestOutput
-    from hybridcache.server.app import request_outputs
     from hybridcache.server.limits import RequestTimeout
-    from hybridcache.server.responses import Rendering
 
     async def read(queued: bool) -> list:
         sink: asyncio.Queue = asyncio.Queue()

@@ -4,12 +4,14 @@ percentages, without a server."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hybridcache.outputs import add_delta
 from hybridcache.server.engine_state import EngineState
 from hybridcache.server.limits import RequestTimeout
 from hybridcache.server.metrics import ServerMetrics
@@ -211,9 +213,14 @@ def _run_on_engine_loop(max_num_seqs: int, scenario, step_sleep_s: float = 0.0, 
 
 
 async def _until_finished(sink) -> list:
+    """A request's queue items until it finished, the last replaced by all of them added up (streamed requests
+    get DELTA outputs)."""
     outputs = [await sink.get()]
+    total = copy.deepcopy(outputs[0])
     while not outputs[-1].finished:
         outputs.append(await sink.get())
+        add_delta(total, copy.deepcopy(outputs[-1]))
+    outputs[-1] = total
     return outputs
 
 
