@@ -175,3 +175,37 @@ def test_a_handler_that_stops_reading_holds_one_output_and_its_request_still_tim
             await asyncio.to_thread(loop_engine.stop)
 
     asyncio.run(main())
+
+
+def test_a_slow_handler_gets_the_outputs_it_missed_added_up():
+    """Streamed requests get DELTA outputs (what is new); a handler that reads late gets the ones it missed added
+    up into one (`_put_latest`), and what it reads adds up to what the same request not streamed ends with:
+    text, token ids, logprobs."""
+    from hybridcache.sampling import SamplingParams
+    from hybridcache.server.app import request_outputs
+    from hybridcache.server.responses import Rendering
+
+    loop_engine = EngineLoop(LLMEngine(None, EngineConfig(block_size=16, max_model_len=1024, num_blocks=256)))
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=60, ignore_eos=True, n=2, logprobs=1)
+
+    async def main() -> tuple:
+        loop_engine.start()
+        try:
+            whole = await (await loop_engine.add("whole", "a slow reader", params, final_only=True)).get()
+            await loop_engine.check(clear_cache=True)  # the same cache state (logprobs equal to the bit)
+            sink = await loop_engine.add("streamed", "a slow reader", params)
+            seen = []
+            async for output in request_outputs(sink, Rendering()):
+                seen.append(output)
+                if len(seen) == 2:
+                    await asyncio.sleep(0.3)  # the engine steps on: the queue adds up what comes meanwhile
+            await loop_engine.check()
+            return whole, seen[-1], len(seen)
+        finally:
+            await asyncio.to_thread(loop_engine.stop)
+
+    whole, streamed, items = asyncio.run(main())
+    assert whole.finished and streamed.finished and items < 60
+    for got, want in zip(streamed.outputs, whole.outputs, strict=True):
+        assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "length")
+        assert got.logprobs == want.logprobs and len(got.token_ids) == 60
