@@ -4,12 +4,13 @@ A real server (uvicorn, the app, the engine thread; `tests/server/inprocess_serv
 model on the CPU with `ModelRunner.execute` returning fixed logits (`host_step_bench.stub_forward`), so what is
 timed is the host: the engine's step, the engine thread's bookkeeping and the event loop's handlers (SSE chunks
 for streamed requests, every step and with `--stream-interval 4`). A client process sends 64 `/v1/completions`
-requests at once (1,100 prompt tokens, 400 generated, greedy, `ignore_eos`). Printed per mode: the median and
-mean time between the engine thread's steps while all 64 run, the server process's CPU time per step, the
+requests at once (1,100 prompt tokens, 400 generated (`--tokens`), greedy, `ignore_eos`). Printed per mode: the
+median and mean time between the engine thread's steps while all 64 run, the server process's CPU time per step, the
 client's wall time (after one untimed streamed run: a process's first is slower). The client shares the
 machine's cores with the server: on a machine with few cores its own work slows the server's.
 
     .venv/bin/python benchmarks/server_step_bench.py          # prints a table, writes results/server_step.json
+    .venv/bin/python benchmarks/server_step_bench.py --tokens 4000 --out results/server_step_4000.json  # long outputs
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SEQS, PROMPT, TOKENS = 64, 1_100, 400
 
 
-async def _client(base_url: str, model: str, stream: bool) -> None:
+async def _client(base_url: str, model: str, stream: bool, tokens: int) -> None:
     import httpx
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         rng = random.Random(i)
-        body = {"model": model, "prompt": [rng.randrange(3, 200) for _ in range(PROMPT)], "max_tokens": TOKENS,
+        body = {"model": model, "prompt": [rng.randrange(3, 200) for _ in range(PROMPT)], "max_tokens": tokens,
                 "ignore_eos": True, "temperature": 0, "stream": stream}
         if stream:
             async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -48,7 +49,7 @@ async def _client(base_url: str, model: str, stream: bool) -> None:
         await asyncio.gather(*(one(c, i) for i in range(SEQS)))
 
 
-def serve_once(stream: bool, stream_interval: int = 1) -> dict[str, float]:
+def serve_once(stream: bool, stream_interval: int = 1, tokens: int = TOKENS) -> dict[str, float]:
     """One server (`--stream-interval stream_interval`), one client run; the step figures of the engine thread while
     all SEQS run."""
     sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys.path]
@@ -67,7 +68,8 @@ def serve_once(stream: bool, stream_interval: int = 1) -> dict[str, float]:
         return step(self)
 
     LLMEngine.step = timed_step
-    config = EngineConfig(block_size=16, max_model_len=4096, num_blocks=SEQS * (PROMPT + TOKENS) // 16 + 512,
+    config = EngineConfig(block_size=16, max_model_len=max(4096, PROMPT + tokens + 16),
+                          num_blocks=SEQS * (PROMPT + tokens) // 16 + 512,
                           max_num_seqs=SEQS, **({"stream_interval": stream_interval} if stream_interval > 1 else {}))
     with serving(config) as base_url:
         models = httpx.get(f"{base_url}/v1/models").json()["data"]
@@ -75,7 +77,8 @@ def serve_once(stream: bool, stream_interval: int = 1) -> dict[str, float]:
         starts.clear()
         cpu = resource.getrusage(resource.RUSAGE_SELF)
         began = time.perf_counter()
-        subprocess.run([sys.executable, __file__, "--client", base_url, models[0]["id"], str(stream)], check=True)
+        subprocess.run([sys.executable, __file__, "--client", base_url, models[0]["id"], str(stream), str(tokens)],
+                       check=True)
         wall = time.perf_counter() - began
         after = resource.getrusage(resource.RUSAGE_SELF)
     LLMEngine.step = step
@@ -87,22 +90,24 @@ def serve_once(stream: bool, stream_interval: int = 1) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--client", nargs=3, metavar=("URL", "MODEL", "STREAM"), help=argparse.SUPPRESS)
+    parser.add_argument("--client", nargs=4, metavar=("URL", "MODEL", "STREAM", "TOKENS"), help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, default=TOKENS, help="tokens each request generates")
     parser.add_argument("--runs", type=int, default=2, help="alternating runs of each mode")
     parser.add_argument("--out", default="results/server_step.json")
     args = parser.parse_args()
     if args.client:
-        url, model, stream = args.client
-        asyncio.run(_client(url, model, stream == "True"))
+        url, model, stream, tokens = args.client
+        asyncio.run(_client(url, model, stream == "True", int(tokens)))
         return
-    serve_once(True)  # untimed: the process's first server and connections run slower than the rest
+    # untimed: the process's first server and connections run slower than the rest
+    serve_once(True, tokens=min(args.tokens, TOKENS))
     rows = []
     print("| requests | median step ms | mean step ms | server CPU ms a step | client wall s |")
     print("| --- | --- | --- | --- | --- |")
     for _ in range(args.runs):
         for stream, interval in ((True, 1), (True, 4), (False, 1)):
             try:
-                times = serve_once(stream, interval)
+                times = serve_once(stream, interval, args.tokens)
             except TypeError as error:  # a tree from before `stream_interval`
                 print(f"| streamed, --stream-interval {interval} | not in this tree: {error} |")
                 continue
@@ -113,7 +118,7 @@ def main() -> None:
                   f"{row['cpu_ms_per_step']:.2f} | {row['client_wall_s']:.2f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"seqs": SEQS, "prompt": PROMPT, "tokens": TOKENS, "rows": rows}, indent=1))
+    out.write_text(json.dumps({"seqs": SEQS, "prompt": PROMPT, "tokens": args.tokens, "rows": rows}, indent=1))
     print(f"wrote {out}")
 
 

@@ -29,6 +29,7 @@ interval of activity).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import queue
@@ -142,6 +143,7 @@ class EngineLoop:
         self._stats = (StatsLogger(stats_interval_s, time.monotonic(), log_limits.replica_index())
                        if stats_interval_s else None)  # a data-parallel replica's lines name it: Engine 00N
         self._generated = self._queried = self._hit = 0  # engine thread only: totals for the stats line
+        self._gaps: collections.Counter[float] = collections.Counter()  # a step's ITLs: previous token time -> count
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
@@ -396,7 +398,8 @@ class EngineLoop:
         """Count a step's tokens (`outputs`, and the `progress` of requests that are not streamed) and hand each
         output to its request's handler, all in one call into the event loop (each call wakes the loop, which then
         takes the GIL from this thread: one a step, not one a request). The generation counters take the step's
-        tokens in one increment."""
+        tokens in one increment, and the ITL histograms one weighted observation per distinct gap (one for every
+        completion the step before also gave a token)."""
         now = time.perf_counter()
         generated = self._generated
         for step in progress:
@@ -417,6 +420,10 @@ class EngineLoop:
             sent.append((stream.sink, output))
         if self._metrics is not None and self._generated > generated:
             self._metrics.generation_tokens.inc(self._generated - generated)
+        if self._gaps:  # every completion the step before also gave a token has the same gap: one observe for all
+            for last, count in self._gaps.items():
+                self._metrics.itl.observe(now - last, count)
+            self._gaps.clear()
         if sent:
             self._call_soon(_put_each, sent)
 
@@ -448,8 +455,8 @@ class EngineLoop:
 
     def _count_tokens(self, stream: _Stream, completion: _Completion, num_tokens: int, now: float) -> None:
         """A completion's tokens after a step: its first token (TTFT from the request's arrival) or the time since
-        its previous token step (ITL), and the new tokens in `_generated` (none for echo-only; `_dispatch` adds the
-        step's to the generation counters)."""
+        its previous token step (ITL: counted in `_gaps`), and the new tokens in `_generated` (none for echo-only;
+        `_dispatch` adds the step's to the generation counters and observes its gaps)."""
         num_new = num_tokens - completion.num_tokens
         if num_new <= 0:
             return
@@ -457,7 +464,7 @@ class EngineLoop:
             if completion.last_token_time is None:
                 self._metrics.ttft.observe(now - stream.arrival)
             else:
-                self._metrics.itl.observe(now - completion.last_token_time)
+                self._gaps[completion.last_token_time] += 1  # observed by `_dispatch`, one call a distinct gap
         if not stream.echo_only:
             self._generated += num_new
         completion.num_tokens = num_tokens

@@ -78,6 +78,7 @@ from hybridcache.cache.request import SaveReason
 from hybridcache.cache.stats import DeclineCause, EvictionKind
 from hybridcache.server.engine_state import EngineState
 from hybridcache.server.vllm_metrics import FINISH_REASONS, VllmMetrics
+from hybridcache.server.weighted_histogram import WeightedHistogram
 
 # seconds; up to vLLM's top request bucket (7,680 s): an agent's long generation or a queued request takes minutes
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -112,8 +113,8 @@ class ServerMetrics:
         for reason in FINISH_REASONS:  # a series per reason from the start, so rate() sees the first one
             self.finished(reason)
         self.ttft = _Both(histogram("hybridcache_time_to_first_token_seconds", "Time to first token"), vllm.ttft)
-        self.itl = _Both(histogram("hybridcache_inter_token_latency_seconds", "Time between a request's token steps"),
-                         vllm.itl)
+        self.itl = _Both(WeightedHistogram("hybridcache_inter_token_latency_seconds", "Time between a request's token "
+                                           "steps", model, _LATENCY_BUCKETS, registry), vllm.itl)
         self.e2e = histogram("hybridcache_e2e_request_latency_seconds", "Arrival to finish")
         self.acceptance = Histogram(
             "hybridcache_spec_decode_request_acceptance_rate", "Per completion that fed drafts: accepted / fed "
@@ -209,9 +210,10 @@ class _Both:
         for metric in self._metrics:
             metric.inc(amount)
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, *count: int) -> None:
+        """Observe `value` (`count` times: `WeightedHistogram`s only)."""
         for metric in self._metrics:
-            metric.observe(value)
+            metric.observe(value, *count)
 
 
 class _EngineCollector(Collector):

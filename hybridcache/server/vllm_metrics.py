@@ -44,6 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hybridcache.server.engine_state import EngineState
+from hybridcache.server.weighted_histogram import WeightedHistogram
 
 _LABELS = ("model_name", "engine")
 ENGINE_LABEL = "0"
@@ -97,8 +98,8 @@ class VllmMetrics:
         for reason in FINISH_REASONS:  # as vLLM: a series per reason from the start, so rate() sees the first one
             self.success(reason)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", _TOKEN_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between a request's token steps",
-                             _INTER_TOKEN_BUCKETS)
+        self.itl = WeightedHistogram("vllm:inter_token_latency_seconds", "Time between a request's token steps",
+                                     labels, _INTER_TOKEN_BUCKETS, registry)  # one observe a step (engine_loop)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to the first step that computes "
                                     "the request", _REQUEST_BUCKETS)
