@@ -39,6 +39,7 @@ def sample(logits, params, generators):
         ({"seed": 1.5}, "seed"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop": [""]}, "stop"),
+        ({"output_kind": 1}, "output_kind must be a RequestOutputKind"),
     ],
 )
 def test_bad_sampling_params_raise_naming_the_field(kwargs, needle):
