@@ -10,6 +10,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "LLM": "hybridcache.llm",
+    "AsyncLLM": "hybridcache.async_llm",
     "LLMEngine": "hybridcache.engine.engine",
     "EngineConfig": "hybridcache.config",
     "SamplingParams": "hybridcache.sampling",

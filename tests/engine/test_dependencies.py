@@ -72,6 +72,7 @@ ALLOWED: dict[str, set[str]] = {
     "server": {"arg_types", "cache", "engine", "engine_args", "extras", "generation_config", "guided", "images",
                "mm_processor", "model_path", "models", "multimodal", "outputs", "sampling", "tokenizer"},
     "router": {"arg_types", "cache", "engine_args", "extras", "model_path", "server", "tokenizer"},
+    "async_llm": {"llm", "outputs", "sampling", "server"},  # LLM's engine on the server's engine thread
     "bench": {FACADE, "arg_types", "cache", "config", "engine", "engine_args", "extras", "model_path", "models",
               "router", "scheduler", "tokenizer"},
 }
