@@ -20,7 +20,7 @@ import itertools
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from hybridcache.llm import LLM
+from hybridcache.llm import LLM, Prompt, _cache_salt
 from hybridcache.outputs import RequestOutput, add_delta
 from hybridcache.sampling import RequestOutputKind, SamplingParams
 from hybridcache.server.engine_loop import EngineLoop
@@ -41,18 +41,22 @@ class AsyncLLM:
         """What `generate` uses without sampling params (`LLM.get_default_sampling_params`)."""
         return self._llm.get_default_sampling_params()
 
-    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+    async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Run one request (text or token ids); yields its outputs as `sampling_params.output_kind` says (module
-        docstring), the last with `finished` set. A bad prompt or parameters raise the engine's ValueError or
-        TypeError before anything is queued; an engine failure while it runs raises `EngineFailure`."""
+        """Run one request: a prompt as `LLM.generate` takes one (text, token ids, or vLLM's dict with "prompt" or
+        "prompt_token_ids", "multi_modal_data" and "cache_salt"); yields its outputs as
+        `sampling_params.output_kind` says (module docstring), the last with `finished` set. A bad prompt or
+        parameters raise ValueError or TypeError before anything is queued; an engine failure while it runs raises
+        `EngineFailure`."""
         engine_loop = self._running()
         params = sampling_params or self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        valid, mm_inputs = self._llm._validate(prompt)  # (tokenized here, as LLM.generate does)
         kind = params.output_kind
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        sink = await engine_loop.add(request_id, prompt, params, final_only=kind is RequestOutputKind.FINAL_ONLY)
+        sink = await engine_loop.add(request_id, valid, params, mm_inputs, cache_salt=_cache_salt(prompt),
+                                     final_only=kind is RequestOutputKind.FINAL_ONLY)
         total: RequestOutput | None = None
         finished = False
         try:

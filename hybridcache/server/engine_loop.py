@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hybridcache.engine.engine import EngineDeadError
+from hybridcache.engine.engine import EngineDeadError, ValidPrompt
 from hybridcache.outputs import RequestOutput, RequestProgress, add_delta
 from hybridcache.sampling import RequestOutputKind, SamplingParams
 from hybridcache.server import log_limits
@@ -65,7 +65,7 @@ class _Add:
     """Requests with the same params, queued together: `prompts[i]` is request `request_ids[i]`."""
 
     request_ids: list[str]
-    prompts: list[str | list[int]]
+    prompts: list[str | list[int] | ValidPrompt]
     params: SamplingParams
     sinks: list[asyncio.Queue]
     done: asyncio.Future
@@ -171,7 +171,7 @@ class EngineLoop:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._ended
 
-    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    async def add(self, request_id: str, prompt: str | list[int] | ValidPrompt, params: SamplingParams,
                   mm_inputs: tuple = (), checkpoints_at: tuple[int, ...] = (),
                   echo_only: bool = False, *, cache_salt: str | None = None,
                   final_only: bool = False) -> asyncio.Queue:
@@ -180,8 +180,9 @@ class EngineLoop:
         return (await self.add_many([request_id], [prompt], params, [mm_inputs], [checkpoints_at], echo_only,
                                     cache_salt=cache_salt, final_only=final_only))[0]
 
-    async def add_many(self, request_ids: list[str], prompts: list[str | list[int]], params: SamplingParams,
-                       mm_inputs: list[tuple] | None = None, checkpoints_at: list[tuple[int, ...]] | None = None,
+    async def add_many(self, request_ids: list[str], prompts: list[str | list[int] | ValidPrompt],
+                       params: SamplingParams, mm_inputs: list[tuple] | None = None,
+                       checkpoints_at: list[tuple[int, ...]] | None = None,
                        echo_only: bool = False, *, cache_salt: str | None = None,
                        final_only: bool = False) -> list[asyncio.Queue]:
         """Queue one request per prompt (`mm_inputs[i]`: prompt i's image spans, encoded on the engine thread;

@@ -95,6 +95,11 @@ def test_bad_input_raises_and_leaves_the_engine_intact():
             with pytest.raises(TypeError, match="SamplingParams"):
                 async for _ in llm.generate("hi", {"max_tokens": 2}):
                     pass
+            with pytest.raises(ValueError, match="prompt_token_ids"):
+                async for _ in llm.generate({"prompt_ids": [5, 6]}, SamplingParams(max_tokens=2)):
+                    pass
+            ids = [o async for o in llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2))]
+            assert ids[-1].prompt_token_ids == [5, 6, 7] and ids[-1].finished
             outs = [o async for o in llm.generate("still fine", SamplingParams(temperature=0, max_tokens=3))]
             assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
             await llm._engine_loop.check()  # check_integrity on the idle engine
