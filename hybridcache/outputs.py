@@ -92,7 +92,7 @@ def add_delta(total: RequestOutput, delta: RequestOutput) -> RequestOutput:
 
 @dataclass(frozen=True)
 class RequestProgress:
-    """What one step did for a `final_only` request that is still running, whose output comes only when it ends
+    """What one step did for a FINAL_ONLY request that is still running, whose output comes only when it ends
     (`LLMEngine.step_progress`): each completion's output tokens so far and whether it has ended, and the prompt's
     and the cached tokens' counts as its `RequestOutput` would give them. For a caller that times tokens (the
     server's time to first token and inter-token latency) without building outputs every step."""

@@ -59,7 +59,7 @@ from hybridcache.tokenizer import Tokenizer
 @dataclass
 class RequestState:
     """One request: `seqs[i]` is completion i (each holds the prompt ids at the head of its `token_ids`),
-    `texts[i]` its detokenizer (deferred for `final_only` requests without stop strings), `logprobs[i]` its
+    `texts[i]` its detokenizer (deferred for FINAL_ONLY requests without stop strings), `logprobs[i]` its
     tokens' logprobs (vLLM's entries, when asked for) and `cumulative_logprobs[i]` their sum, `stop_reasons[i]`
     the stop string or stop token that ended it (vLLM's `stop_reason`), `matchers[i]` its own grammar state
     (structured output; None when unconstrained), `prompt_logprobs` the prompt's logprobs when asked for (entry p
