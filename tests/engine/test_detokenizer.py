@@ -140,6 +140,30 @@ def test_a_streaming_text_never_shows_the_bytes_of_a_character_not_yet_complete(
     assert all(final.startswith(s) and "\ufffd" not in s for s in shown), shown
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(stop=("END", "\u00e9", "ta g")),
+                                    SamplingParams(stop=("END",), include_stop_str_in_output=True)],
+                         ids=["no-stop", "stops", "include-stop"])
+def test_shown_since_gives_the_pieces_that_add_up_to_each_shown_text(tokenizer, params):
+    """A DELTA output's text (`shown_since(start, finished)`: only the part after `start`) is `shown(finished)`
+    from `start`, and the pieces add up to every shown text and to the final one: random bytes (characters left
+    incomplete) and words that spell stop strings."""
+    rng = random.Random(3)
+    words = ["alpha ", "beta ", "gamma ", "END", "EN", "D ", "\u00fcn\u00ef ", "\u20ac ", "caf\u00e9 "]
+    for trial in range(24):
+        ids = (tokenizer.encode("".join(rng.choice(words) for _ in range(14))) if trial % 2
+               else [rng.randrange(3, 259) for _ in range(60)])
+        detokenizer = detokenizer_for(tokenizer, params)
+        pieces = []
+        for i, token in enumerate(ids):
+            finished = detokenizer.add(token) or i == len(ids) - 1
+            sent = "".join(pieces)
+            pieces.append(detokenizer.shown_since(len(sent), finished))
+            assert sent + pieces[-1] == detokenizer.shown(finished), (trial, i)
+            if finished:
+                break
+        assert "".join(pieces) == detokenizer.text
+
+
 def _shown_while_running(tokenizer: Tokenizer, text: str, params: SamplingParams) -> list[str]:
     """What an output shows after each token of `text` (the last one: the final text, where a stop cut it or at
     the end)."""
