@@ -246,9 +246,8 @@ class IncrementalDetokenizer:
 
     def _append(self, piece: str) -> None:
         """`_emitted += piece` in O(len(piece)) amortized: with the attribute's reference dropped, the local is the
-        text's only one and CPython grows it in place (`self._emitted += piece` copies the whole text every token:
-        17 us a token at 120,000 characters). An output that holds `_emitted` itself (`shown` without stop strings)
-        makes the next append copy it once, as before."""
+        text's only one and CPython grows it in place (`self._emitted += piece` copies the whole text every token).
+        An output that holds `_emitted` itself (`shown` without stop strings) makes the next append copy it once."""
         emitted, self._emitted = self._emitted, ""
         emitted += piece
         self._emitted = emitted
@@ -290,19 +289,19 @@ class IncrementalDetokenizer:
         "ab EN" show as "ab", "ab "; the final text "ab " follows each."""
         if finished or self._stop_at is not None:
             return self.text
-        text = self._emitted
-        if self._include_stop or not self._stop:
-            return text
-        return text[: max(0, len(text) - (max(map(len, self._stop)) - 1))]
+        return self._emitted[: self._shown_end()]  # (the text itself, not a copy, when nothing is held back)
 
     def shown_since(self, start: int, finished: bool) -> str:
         """`shown(finished)[start:]`, copying only that part while the completion runs (a DELTA output's text)."""
         if finished or self._stop_at is not None:
             return self.text[start:]
-        end = len(self._emitted)
-        if self._stop and not self._include_stop:
-            end = max(0, end - (max(map(len, self._stop)) - 1))
-        return self._emitted[start:end]
+        return self._emitted[start: self._shown_end()]
+
+    def _shown_end(self) -> int:
+        """Where the shown text ends while the completion runs: before the stop buffer (`shown`)."""
+        if self._include_stop or not self._stop:
+            return len(self._emitted)
+        return max(0, len(self._emitted) - (max(map(len, self._stop)) - 1))
 
     @property
     def text(self) -> str:
