@@ -221,21 +221,31 @@ def simulate_many(
     def names(g: int) -> str:
         return ", ".join(jobs[i][0].name for i in groups[g])
 
-    while running:
-        try:
-            g, result = done.get(timeout=0.2)
-        except queue_module.Empty:
-            seen = _report(counter, seen, on_request)
-            for g, proc in running.items():
-                if proc.exitcode not in (None, 0):
-                    raise RuntimeError(f"simulating {names(g)} died (exit code {proc.exitcode})") from None
-            continue
-        if isinstance(result, ValueError):  # a bad input: the same error as in one process, naming the policies
-            raise ValueError(f"simulating {names(g)}: {result}") from result
-        if isinstance(result, BaseException):
-            raise RuntimeError(f"simulating {names(g)} failed") from result
-        results.update(zip(groups[g], result, strict=True))
-        running.pop(g).join()
+    try:
+        while running:
+            try:
+                g, result = done.get(timeout=0.2)
+            except queue_module.Empty:
+                seen = _report(counter, seen, on_request)
+                for g, proc in running.items():
+                    if proc.exitcode not in (None, 0):
+                        raise RuntimeError(f"simulating {names(g)} died (exit code {proc.exitcode})") from None
+                ended = [g for g, proc in running.items() if proc.exitcode == 0]
+                if not ended:
+                    continue
+                try:  # a worker's result is in the pipe before it exits: one that ended without it never sends it
+                    g, result = done.get(timeout=1.0)
+                except queue_module.Empty:  # (the queue drops what it cannot pickle: the wait would never end)
+                    raise RuntimeError(f"simulating {names(ended[0])} ended without sending its result") from None
+            if isinstance(result, ValueError):  # a bad input: the same error as in one process, naming the policies
+                raise ValueError(f"simulating {names(g)}: {result}") from result
+            if isinstance(result, BaseException):
+                raise RuntimeError(f"simulating {names(g)} failed") from result
+            results.update(zip(groups[g], result, strict=True))
+            running.pop(g).join()
+    finally:
+        for proc in running.values():  # (an error above: no worker is left behind)
+            proc.terminate()
     _report(counter, seen, on_request)
     return [results[i] for i in range(len(jobs))]
 
@@ -256,7 +266,7 @@ def _split_jobs(jobs: list[tuple[PolicySpec, SimConfig]], num_groups: int) -> li
 
 
 def _report(counter, seen: int, on_request: Callable[[], None] | None) -> int:
-    value = counter.value
+    value = counter.get_obj().value  # (no lock: a worker that died holding it would block the parent for good)
     if on_request is not None:
         for _ in range(value - seen):
             on_request()

@@ -308,3 +308,32 @@ def test_hit_counts_leave_out_a_sequence_dropped_after_its_hit(monkeypatch):
     assert result.host_hit_tokens <= result.hit_tokens == sum(hit for hit, _ in added)
     assert sum(result.hits_by_reason.values()) == sum(reason is not None for _, reason in added)
     assert all(hit > 0 for hit, reason in added if reason is not None)
+
+
+@pytest.mark.parametrize("fate", ["no-result", "killed"])
+def test_a_worker_that_ends_without_its_result_is_an_error_not_a_hang(monkeypatch, fate):
+    """`simulate_many` waited forever for a worker that exited without sending its result (a multiprocessing queue
+    drops what it cannot pickle, and the worker then exits 0); one killed while holding the progress counter's lock
+    blocked the parent's read of it. Both now raise, naming the worker's policies, and leave no worker behind."""
+    import multiprocessing
+    import os
+    import signal
+
+    from hybridcache.bench import simulator
+
+    def lost(workload, jobs, cost, counter, queue, index) -> None:  # noqa: ANN001
+        if index == 0:
+            if fate == "killed":
+                counter.get_lock().acquire()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return  # no result
+        queue.put((index, simulator._simulate_jobs(workload, jobs, cost, lambda _: None)[0]))
+
+    monkeypatch.setattr(simulator, "_job", lost)  # (the workers are forked: they run the patched function)
+    requests = _shared_stem_requests(12)
+    specs = parse_policies("block-aligned,seed,hybridcache", 4)
+    jobs = [(s, SimConfig(4096, 4, 100, kv_tokens_per_slot=16)) for s in specs]
+    message = "ended without sending its result" if fate == "no-result" else r"died \(exit code -9\)"
+    with pytest.raises(RuntimeError, match=message):
+        simulator.simulate_many(_workload(requests), jobs, COST, num_workers=3, on_request=lambda: None)
+    assert not multiprocessing.active_children()
