@@ -154,7 +154,7 @@ class DeferredDetokenizer:
         return self.text
 
     def shown_since(self, start: int, finished: bool) -> str:
-        """`shown(finished)[start:]`."""
+        """`shown(finished)[start:]` (`text` from `start`)."""
         return self.text[start:]
 
 
@@ -287,21 +287,17 @@ class IncrementalDetokenizer:
         and without its last max(len(stop)) - 1 characters, so that the start of a stop string is never shown
         before the text is cut there (vLLM's stop buffer; none with `include_stop`). Stop ("END",): texts "ab E",
         "ab EN" show as "ab", "ab "; the final text "ab " follows each."""
-        if finished or self._stop_at is not None:
-            return self.text
-        return self._emitted[: self._shown_end()]  # (the text itself, not a copy, when nothing is held back)
+        return self.shown_since(0, finished)
 
     def shown_since(self, start: int, finished: bool) -> str:
-        """`shown(finished)[start:]`, copying only that part while the completion runs (a DELTA output's text)."""
+        """`shown(finished)[start:]`, copying only that part while the completion runs (a DELTA output's text;
+        from 0, the text itself, not a copy, when nothing is held back)."""
         if finished or self._stop_at is not None:
             return self.text[start:]
-        return self._emitted[start: self._shown_end()]
-
-    def _shown_end(self) -> int:
-        """Where the shown text ends while the completion runs: before the stop buffer (`shown`)."""
-        if self._include_stop or not self._stop:
-            return len(self._emitted)
-        return max(0, len(self._emitted) - (max(map(len, self._stop)) - 1))
+        end = len(self._emitted)
+        if self._stop and not self._include_stop:
+            end = max(0, end - (max(map(len, self._stop)) - 1))
+        return self._emitted[start:end]
 
     @property
     def text(self) -> str:

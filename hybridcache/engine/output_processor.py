@@ -258,11 +258,9 @@ class OutputProcessor:
         completions = []
         for i, (seq, text) in enumerate(zip(state.seqs, state.texts)):
             num_tokens, num_chars = state.sent[i] if delta else (0, 0)
-            if delta:  # (only the new part is copied: a long completion costs the same at every step)
-                shown = text.shown_since(num_chars, seq.is_finished)
+            shown = text.shown_since(num_chars, seq.is_finished)  # (only the new part is copied)
+            if delta:
                 state.sent[i] = (seq.num_tokens - seq.prompt_len, num_chars + len(shown))
-            else:
-                shown = text.shown(seq.is_finished)
             completions.append(CompletionOutput(
                 seq.index, shown, seq.token_ids[seq.prompt_len + num_tokens:], seq.finish_reason, seq.num_cached or 0,
                 logprobs=state.logprobs[i][num_tokens:] if asked else None,
