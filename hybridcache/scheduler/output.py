@@ -11,7 +11,7 @@ from hybridcache.multimodal import chunk_embeds, overlaps_image, rope_positions,
 from hybridcache.scheduler.sequence import Seq
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     """`seq` feeds `token_ids` = its tokens `[start, start + num_tokens)` in this step.
 
@@ -22,6 +22,8 @@ class ScheduledChunk:
     sequence's state row. These are the attributes `build_forward_batch` reads.
     `num_drafts`: speculative decoding: the last `num_drafts` of `token_ids` are drafts that follow the
     sequence's last token (a verify row: 1 + num_drafts tokens, the sequence's tokens end at `end - num_drafts`).
+    Read-only by contract, not frozen: one is built per sequence per step, and a frozen dataclass's `__init__` (one
+    `object.__setattr__` a field) costs ~1 us more (`save_plan.ChunkPlan`'s reason).
     """
 
     seq: Seq
@@ -41,7 +43,8 @@ class ScheduledChunk:
     @property
     def embeds(self) -> tuple[tuple[int, torch.Tensor], ...]:
         """(offset in the chunk, vectors) of the multimodal spans the chunk overlaps."""
-        return chunk_embeds(self.seq.mm_inputs, self.start, self.end)
+        spans = self.seq.mm_inputs
+        return chunk_embeds(spans, self.start, self.end) if spans else ()
 
     @property
     def rope_positions(self) -> torch.Tensor | None:

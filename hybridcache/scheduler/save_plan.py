@@ -78,9 +78,11 @@ def checkpoint_policy(mode: str) -> CheckpointPolicy | None:
     return POLICIES[mode]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ChunkPlan:
-    """A chunk `[start, end)` and the save at `end` (`reason` is a `SaveReason` value, or None)."""
+    """A chunk `[start, end)` and the save at `end` (`reason` is a `SaveReason` value, or None). Read-only by
+    contract, not frozen: one is built per planned sequence per step, and a frozen dataclass's `__init__` (one
+    `object.__setattr__` a field) costs several times a plain one's."""
 
     end: int
     reason: str | None

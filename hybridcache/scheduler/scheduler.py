@@ -67,11 +67,12 @@ def blocks_per_sequence(max_model_len: int, block_size: int, num_speculative_tok
     return -(-(max_model_len + 3 * num_speculative_tokens) // block_size)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Accepted:
     """What a step made known for one sequence (`Scheduler.accept`): `kept`, for a verify row (one that fed
     drafts), the prefix of its drafts it keeps (None: the row fed no drafts); `sampled`, the token sampled after
-    them (None: a stop cut the step's tokens before it)."""
+    them (None: a stop cut the step's tokens before it). Read-only by contract, not frozen (one per sampled
+    sequence per step: `ChunkPlan`'s reason)."""
 
     sampled: int | None = None
     kept: tuple[int, ...] | None = None
