@@ -6,6 +6,7 @@
         [--host-cache-gib G] [--max-model-len N]                              # a host tier behind the pool
         [--quantization fp8] [--kv-cache-dtype fp8]   # FP8 weights (quantised at load) / FP8 KV
         [--speculative-config '{"method": "mtp", "num_speculative_tokens": 2}']  # MTP, random head: all rejected
+        [--load-format dummy]   # config.json and the tokenizer only, the weights drawn at load
 
 Models (random weights, seed 0, `hybridcache.models.random_weights.randomize_`, drawn on the GPU when there is
 one; bf16; byte tokenizer):
@@ -557,6 +558,9 @@ def main() -> None:
                              "overhead of drafts that never pay)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                        help="dummy: a folder of config.json and the tokenizer, the weights drawn at load (seconds "
+                             "instead of minutes for the large shapes; no MTP head)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload length (smoke tests)")
     parser.add_argument("--trace-d-step", type=int, default=0,
@@ -577,7 +581,12 @@ def main() -> None:
     suffix += "" if args.kv_cache_dtype == "auto" else f"_kv-{args.kv_cache_dtype}"
     out_path = out_dir / f"gpu_bench_{args.model}{suffix}.json"
     start = time.perf_counter()
-    folder = model_folder(args.model, args.model_dir)
+    if args.load_format == "dummy":
+        from tp_bench import config_folder
+
+        folder = config_folder(args.model, args.model_dir)
+    else:
+        folder = model_folder(args.model, args.model_dir)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     result: dict = {"model": args.model, "device": device_name, "build_s": time.perf_counter() - start,
                     "date": time.strftime("%Y-%m-%d"), "phases": {}}
@@ -587,8 +596,10 @@ def main() -> None:
                    gpu_memory_utilization=args.gpu_memory_utilization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                    async_scheduling=args.async_scheduling, num_blocks=args.num_blocks, cache_mode=args.cache_mode,
                    host_cache_gib=args.host_cache_gib, max_model_len=args.max_model_len, quantization=args.quantization,
-                   kv_cache_dtype=args.kv_cache_dtype, speculative_config=args.speculative_config)
+                   kv_cache_dtype=args.kv_cache_dtype, speculative_config=args.speculative_config,
+                   load_format=args.load_format)
     result["speculative_config"] = args.speculative_config
+    result["load_format"] = args.load_format
     result["triton_cache"] = triton_cache_state()
     start = time.perf_counter()
     llm = None
