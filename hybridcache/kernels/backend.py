@@ -52,6 +52,7 @@ from hybridcache.kernels.mamba1 import reference as mamba1_ref
 from hybridcache.kernels.mamba2 import reference as mamba2_ref
 from hybridcache.kernels.moe import reference as moe_ref
 from hybridcache.kernels.norm import reference as norm_ref
+from hybridcache.kernels.norm.reference import Weighting
 from hybridcache.kernels.registry import ATTENTION, ENCODER_ATTENTION, GEMM
 from hybridcache.kernels.rotary import reference as rotary_ref
 from hybridcache.kernels.shapes import ModelShapes, refuse
@@ -269,16 +270,20 @@ class KernelBackend(Protocol):
         int64); the order of a row's picks is the backend's (torch.topk's unsorted order, or descending)."""
         ...
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """Zero-centred RMSNorm over the last dim: x [..., dim], weight [dim] -> [..., dim] in x's dtype,
-        y = x / sqrt(mean(x^2) + eps) * (1 + weight), computed in fp32 and rounded once."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 weighting: Weighting = Weighting.ZERO_CENTRED) -> torch.Tensor:
+        """RMSNorm over the last dim: x [..., dim], weight [dim] -> [..., dim] in x's dtype, n = x / sqrt(mean(x^2)
+        + eps) in fp32 weighted as `weighting` says (`kernels.norm.reference.Weighting`): zero-centred n * (1 +
+        weight) rounded once (Qwen's), or weight * n, multiplying the rounded n or n in fp32 (the other families')."""
         ...
 
     def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+        weighting: Weighting = Weighting.ZERO_CENTRED,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A residual add and the RMSNorm after it: x, residual [..., dim] (one dtype), weight [dim] ->
-        (s, rms_norm(s)) with s = x + residual rounded to x's dtype (as torch's add rounds it), both in x's dtype."""
+        (s, rms_norm(s, weighting)) with s = x + residual rounded to x's dtype (as torch's add rounds it), both in
+        x's dtype."""
         ...
 
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,9 +5,10 @@
   post_attention_layernorm, the final norm, and the attention q_norm / k_norm.
 - `GatedRMSNorm`: y = (w * x / rms(x)) * silu(gate), `weight` initialised to 1 (NOT zero-centred). Used
   as `linear_attn.norm` on each DeltaNet value head, gated by z (OLMo Hybrid's `linear_attn.o_norm`, gated by g).
-- `RMSNorm`: y = w * x / rms(x), `weight` initialised to 1, in torch ops on every device: the norms of Granite-4.0-H,
-  Nemotron-H, Jamba (also the dt / B / C norms inside its Mamba1 layers), LFM2 and OLMo Hybrid (their layer norms,
-  final norm, and LFM2's and OLMo's attention q_norm / k_norm).
+- `RMSNorm`: y = w * x / rms(x), `weight` initialised to 1: the norms of Granite-4.0-H, Bamba, Falcon-H1, Nemotron-H,
+  Jamba (also the dt / B / C norms inside its Mamba1 layers), LFM2 and OLMo Hybrid (their layer norms, final norm,
+  and LFM2's and OLMo's attention q_norm / k_norm): the backend's `rms_norm` / `add_rms_norm` with the family's
+  `Weighting` (one fused launch each on CUDA), torch's ops where no backend is given.
 
 `fp8=True` (where `layers.linear.wants_fp8_rows` says the FP8 linear after the norm takes it): the output comes as
 `layers.linear.Fp8Rows`, the norm's output with its FP8 quantisation for that linear, written by the norm's own
@@ -77,20 +78,19 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight_in_fp32 = weight_in_fp32
+        self.weighting = kernel_backend.Weighting.FP32 if weight_in_fp32 else kernel_backend.Weighting.ROUNDED
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, backend: KernelBackend | None = None) -> torch.Tensor:
-        """(`backend` unread: torch ops on every device.)"""
-        wide = x.float()
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight_in_fp32:
-            return (self.weight.float() * normed).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+        """`backend`: the step's (None: torch's ops)."""
+        if backend is None:
+            return kernel_backend.ReferenceBackend.rms_norm(x, self.weight, self.eps, self.weighting)
+        return backend.rms_norm(x, self.weight, self.eps, self.weighting)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor, backend: KernelBackend | None = None,
             fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, this norm of it)."""
+        """(x + residual, this norm of it): one launch on CUDA (`backend.add_rms_norm`)."""
         del fp8  # (not asked here: an FP8 linear after this norm quantises its own input)
-        total = x + residual
-        return total, self.forward(total)
+        if backend is None:
+            return kernel_backend.ReferenceBackend.add_rms_norm(x, residual, self.weight, self.eps, self.weighting)
+        return backend.add_rms_norm(x, residual, self.weight, self.eps, self.weighting)

@@ -1,7 +1,7 @@
 """The fused small kernels of a decode step (test_fused_decode_kernels.py checks their numbers) compile for the H200
 (sm90) without a GPU (`tests/kernels/hopper.py`), in the variants a bf16 Qwen3-Next model launches: the residual
-add + RMSNorm over the hidden size, the attention layer's q/k norm + RoPE (16 query and 2 key heads of 256, rotary
-dim 64) and its output gate."""
+add + RMSNorm over the hidden size (and the other families' weightings of it), the attention layer's q/k norm +
+RoPE (16 query and 2 key heads of 256, rotary dim 64) and its output gate."""
 
 from __future__ import annotations
 
@@ -23,9 +23,12 @@ def typed(kernel, pointer: str, floats: tuple[str, ...] = ()) -> tuple[dict[str,
     return pointers, ints
 
 
-def test_add_rms_norm_compiles_for_hopper():
+@pytest.mark.parametrize("weighting", [0, 1, 2], ids=["zero-centred", "rounded", "fp32"])
+def test_add_rms_norm_compiles_for_hopper(weighting):
+    """Each `Weighting` (Qwen's zero-centred norm; the other families' weight times the rounded norm, or in fp32)."""
     pointers, ints = typed(_add_rms_norm_kernel, "*bf16", floats=("eps",))
-    compiled = compile_for_hopper(_add_rms_norm_kernel, pointers, ints, dict(ROWS=1, BLOCK=2048), floats=("eps",))
+    compiled = compile_for_hopper(_add_rms_norm_kernel, pointers, ints, dict(ROWS=1, BLOCK=2048, WEIGHTING=weighting),
+                                  floats=("eps",))
     ptx = compiled.asm["ptx"]
     assert ptx.count("st.global") >= 2  # the sum and the normed row are both written
     assert "sqrt" in ptx

@@ -1,6 +1,8 @@
 """The fused small kernels of a decode step against the torch references, on the layouts the layers pass:
 
-- `add_rms_norm` (`kernels/norm/triton.py`): a decoder layer's residual add and the next zero-centred RMSNorm;
+- `add_rms_norm` and `rms_norm` (`kernels/norm/triton.py`): a decoder layer's residual add and the next RMSNorm, and
+  the norm alone on a strided head view (a q_norm), with each `Weighting` (zero-centred: Qwen's; the weight as it
+  is, times the rounded norm or in fp32: the other families');
 - `norm_rotary` (`kernels/rotary/triton.py`): the attention layer's q_norm, k_norm and partial RoPE, on query and
   key head views of one fused q|gate / k / v projection (strided over tokens and heads), odd head counts, a
   rotary dim below the head dim;
@@ -13,7 +15,8 @@ sum in another order than torch; the sigmoid's formula differs). bf16: the kerne
 element may differ by one bf16 step (2^-8 relative) where an fp32 intermediate falls near a rounding boundary;
 norm_rotary rounds the norm and then the rotation (two steps, and the rotation's two terms may cancel: bounded
 relative to |n cos| + |n' sin|); the interpreter truncates to bf16 rather than rounding, so its bf16 bounds are
-doubled. The residual sum of add_rms_norm is a single rounded add on both sides: equal exactly on CUDA.
+doubled (quadrupled for `Weighting.ROUNDED`'s three roundings). The residual sum of add_rms_norm is a single rounded
+add on both sides: equal exactly on CUDA.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from hybridcache.kernels.activation import reference as activation_ref
 from hybridcache.kernels.norm import reference as norm_ref
+from hybridcache.kernels.norm.reference import Weighting
 from hybridcache.kernels.rotary import reference as rotary_ref
 from hybridcache.layers.rotary import rotary_cos_sin
 from tests.kernels.interpreter import INTERPRETED, interpreted_in_child, needs_cuda, needs_interpreter
@@ -35,14 +39,15 @@ def randn(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> torch.Tensor
     return scale * torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def check_add_rms_norm(rows: int, dim: int, dtype: torch.dtype, device: str, rtol: float) -> None:
+def check_add_rms_norm(rows: int, dim: int, dtype: torch.dtype, device: str, rtol: float,
+                       weighting: Weighting = Weighting.ZERO_CENTRED) -> None:
     from hybridcache.kernels.norm import triton as fused
 
     x = randn((rows, dim), 1, 2.0).to(device, dtype)
     residual = randn((rows, dim), 2, 3.0).to(device, dtype)
     weight = randn((dim,), 3, 0.5).to(device, dtype)
-    total, normed = fused.add_rms_norm(x, residual, weight, 1e-6)
-    want_total, want_normed = norm_ref.add_rms_norm(x, residual, weight, 1e-6)
+    total, normed = fused.add_rms_norm(x, residual, weight, 1e-6, weighting)
+    want_total, want_normed = norm_ref.add_rms_norm(x, residual, weight, 1e-6, weighting)
     assert total.dtype == normed.dtype == dtype and total.is_contiguous() and normed.is_contiguous()
     if device == "cuda":  # one rounded add on both sides
         assert torch.equal(total, want_total)
@@ -50,7 +55,26 @@ def check_add_rms_norm(rows: int, dim: int, dtype: torch.dtype, device: str, rto
         torch.testing.assert_close(total, want_total, rtol=rtol, atol=0)
     torch.testing.assert_close(normed, want_normed, rtol=rtol, atol=rtol * 1e-2)
     # the norm is of the rounded sum: against torch's norm of our own sum, bit-for-bit tolerances do not widen
-    torch.testing.assert_close(normed, norm_ref.rms_norm(total, weight, 1e-6), rtol=rtol, atol=rtol * 1e-2)
+    torch.testing.assert_close(normed, norm_ref.rms_norm(total, weight, 1e-6, weighting), rtol=rtol,
+                               atol=rtol * 1e-2)
+
+
+def check_rms_norm_of_head_views(dtype: torch.dtype, device: str, rtol: float, weighting: Weighting) -> None:
+    """The norm alone over each head of a strided [T, H, D] view (LFM2's and OLMo Hybrid's q_norm / k_norm read the
+    heads of one fused projection), then over a 2-D tensor (a final norm), against the torch reference."""
+    from hybridcache.kernels.norm import triton as fused
+
+    mixed = randn((9, 7 * 64), 7, 2.0).to(device, dtype)
+    heads = mixed[:, 64:5 * 64].view(9, 4, 64)  # 4 heads of 64 at column 64 of each 448-wide row
+    weight = randn((64,), 8, 0.5).to(device, dtype)
+    got = fused.rms_norm(heads, weight, 1e-5, weighting)
+    assert got.shape == heads.shape and got.is_contiguous() and got.dtype == dtype
+    torch.testing.assert_close(got, norm_ref.rms_norm(heads, weight, 1e-5, weighting), rtol=rtol, atol=rtol * 1e-2)
+    flat = randn((5, 300), 9).to(device, dtype)
+    wide = randn((300,), 10, 0.5).to(device, dtype)
+    torch.testing.assert_close(fused.rms_norm(flat, wide, 1e-6, weighting), norm_ref.rms_norm(flat, wide, 1e-6,
+                                                                                                 weighting),
+                               rtol=rtol, atol=rtol * 1e-2)
 
 
 def qkv_views(rows: int, q_heads: int, k_heads: int, head_dim: int, dtype: torch.dtype, device: str):
@@ -104,11 +128,22 @@ ROTARY_SHAPES = pytest.mark.parametrize("rows, heads, head_dim, rotary_dim",
 GATE_SHAPES = pytest.mark.parametrize("rows, heads, head_dim", [(37, 16, 256), (3, 5, 96), (1, 1, 64)])
 
 
+WEIGHTINGS = pytest.mark.parametrize("weighting", list(Weighting), ids=[w.name.lower() for w in Weighting])
+
+
 @needs_cuda
 @DTYPES
 @NORM_SHAPES
-def test_cuda_add_rms_norm(rows: int, dim: int, dtype: torch.dtype) -> None:
-    check_add_rms_norm(rows, dim, dtype, "cuda", ULP[dtype])
+@WEIGHTINGS
+def test_cuda_add_rms_norm(rows: int, dim: int, dtype: torch.dtype, weighting: Weighting) -> None:
+    check_add_rms_norm(rows, dim, dtype, "cuda", ULP[dtype], weighting)
+
+
+@needs_cuda
+@DTYPES
+@WEIGHTINGS
+def test_cuda_rms_norm_of_head_views(dtype: torch.dtype, weighting: Weighting) -> None:
+    check_rms_norm_of_head_views(dtype, "cuda", ULP[dtype], weighting)
 
 
 @needs_cuda
@@ -170,8 +205,31 @@ def test_fused_decode_kernels_in_a_triton_interpreter_subprocess() -> None:
 @needs_interpreter
 @DTYPES
 @NORM_SHAPES
-def test_interpreted_add_rms_norm(rows: int, dim: int, dtype: torch.dtype) -> None:
-    check_add_rms_norm(rows, dim, dtype, "cpu", 2 * ULP[dtype])
+@WEIGHTINGS
+def test_interpreted_add_rms_norm(rows: int, dim: int, dtype: torch.dtype, weighting: Weighting) -> None:
+    # ROUNDED truncates three times here (the sum, the norm, its product with w) where torch rounds
+    check_add_rms_norm(rows, dim, dtype, "cpu", (4 if weighting == Weighting.ROUNDED else 2) * ULP[dtype], weighting)
+
+
+@needs_interpreter
+@DTYPES
+@WEIGHTINGS
+def test_interpreted_rms_norm_of_head_views(dtype: torch.dtype, weighting: Weighting) -> None:
+    check_rms_norm_of_head_views(dtype, "cpu", (4 if weighting == Weighting.ROUNDED else 2) * ULP[dtype], weighting)
+
+
+def test_a_rounded_norm_with_a_weight_of_another_dtype_runs_the_reference() -> None:
+    """`Weighting.ROUNDED` multiplies the rounded norm by the weight in the product's dtype, which is the wider of
+    the two: the kernel writes x's dtype, so such a call runs the torch reference (what the module computed)."""
+    from hybridcache.kernels.norm import triton as fused
+
+    x = randn((3, 16), 11).bfloat16()
+    weight = randn((16,), 12, 0.5)  # fp32
+    got = fused.rms_norm(x, weight, 1e-6, Weighting.ROUNDED)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, weight * norm_ref.rms_norm(x, torch.ones(16), 1e-6, Weighting.FP32))
+    total, normed = fused.add_rms_norm(x, x, weight, 1e-6, Weighting.ROUNDED)
+    assert torch.equal(normed, norm_ref.add_rms_norm(x, x, weight, 1e-6, Weighting.ROUNDED)[1])
 
 
 @needs_interpreter

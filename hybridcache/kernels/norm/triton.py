@@ -2,7 +2,8 @@
 Same math and the same roundings as `layers.norm` / the references (each row of the last dim on its own; a
 program takes 2,048 // width rows, see `_launch`):
 
-- `rms_norm` (ZeroCenteredRMSNorm): y = x / rms(x) * (1 + w), all in fp32, rounded once to x's dtype.
+- `rms_norm`: n = x / rms(x) in fp32, then the weight as `reference.Weighting` says (ZeroCenteredRMSNorm: n * (1 + w),
+  rounded once to x's dtype; the other families' RMSNorm: w * round(n) rounded, or w * n rounded once).
 - `add_rms_norm` (a decoder layer's residual add and the next norm): s = x + residual rounded to x's dtype (as
   torch's add rounds it), written out, and rms_norm(s) from the rounded s: one launch for what took two.
 - `gated_rms_norm` (GatedRMSNorm of DeltaNet outputs): n = (x / rms(x)) rounded to x's dtype; p = w * n rounded
@@ -37,6 +38,8 @@ import triton.language as tl
 
 from hybridcache.fp8_format import FP8_DTYPE, FP8_MAX
 from hybridcache.kernels import pdl
+from hybridcache.kernels.norm import reference
+from hybridcache.kernels.norm.reference import Weighting
 
 
 @triton.jit
@@ -69,41 +72,53 @@ def _gated_norm(x_ptr, g_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, gate_st
 
 
 @triton.jit
+def _weighted(x, w_ptr, cols, dim, eps, dtype: tl.constexpr, WEIGHTING: tl.constexpr):
+    """The rows x [ROWS, BLOCK] (fp32) normalised and weighted as `reference.rms_norm` does for WEIGHTING (a
+    `Weighting` value), in `dtype`."""
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / dim + eps)
+    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    normed = x * rstd[:, None]
+    if WEIGHTING == 0:  # zero-centred: n * (1 + w), rounded once
+        y = normed * (1.0 + w[None, :])
+    elif WEIGHTING == 1:  # w * round(n), rounded (the product in w's dtype, which is x's here)
+        y = w[None, :] * normed.to(dtype).to(tl.float32)
+    else:  # w * n in fp32, rounded once
+        y = w[None, :] * normed
+    return y.to(dtype)
+
+
+@triton.jit
 def _add_and_norm(x_ptr, r_ptr, sum_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, r_stride_t, r_stride_h, heads,
-                  dim, eps):
-    """The rows' x + residual, stored at sum_ptr in its dtype, and the zero-centred RMSNorm of that stored sum in
-    fp32 (not yet rounded): returns (the rows' offsets in a contiguous [rows, dim] output, the norm)."""
+                  dim, eps, dtype: tl.constexpr, WEIGHTING: tl.constexpr):
+    """The rows' x + residual, stored at sum_ptr in its dtype, and the RMSNorm of that stored sum (`_weighted`) in
+    `dtype`: returns (the rows' offsets in a contiguous [rows, dim] output, the norm)."""
     x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
     r = _load_rows(r_ptr, rows, r_stride_t, r_stride_h, heads, cols, ok)
     dest = rows[:, None] * dim + cols[None, :]
     total = (x + r).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + dest, total, mask=ok)
-    s = total.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / dim + eps)
-    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
-    return dest, s * rstd[:, None] * (1.0 + w[None, :])
+    return dest, _weighted(total.to(tl.float32), w_ptr, cols, dim, eps, dtype, WEIGHTING)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, w_ptr, ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, w_ptr, WEIGHTING: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
     x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / dim + eps)
-    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
-    y = x * rstd[:, None] * (1.0 + w[None, :])
-    tl.store(out_ptr + rows[:, None] * dim + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
+    y = _weighted(x, w_ptr, cols, dim, eps, out_ptr.dtype.element_ty, WEIGHTING)
+    tl.store(out_ptr + rows[:, None] * dim + cols[None, :], y, mask=ok)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _add_rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, r_ptr, r_stride_t,
-                         r_stride_h, sum_ptr, w_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                         r_stride_h, sum_ptr, w_ptr, WEIGHTING: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl.start(PDL)
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
     dest, y = _add_and_norm(x_ptr, r_ptr, sum_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, r_stride_t,
-                            r_stride_h, heads, dim, eps)
-    tl.store(out_ptr + dest, y.to(out_ptr.dtype.element_ty), mask=ok)
+                            r_stride_h, heads, dim, eps, out_ptr.dtype.element_ty, WEIGHTING)
+    tl.store(out_ptr + dest, y, mask=ok)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -155,8 +170,7 @@ def _add_rms_norm_fp8_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads
     pdl.start(PDL)
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
     dest, y = _add_and_norm(x_ptr, r_ptr, sum_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, r_stride_t,
-                            r_stride_h, heads, dim, eps)
-    y = y.to(out_ptr.dtype.element_ty)
+                            r_stride_h, heads, dim, eps, out_ptr.dtype.element_ty, 0)  # (zero-centred: Qwen's)
     tl.store(out_ptr + dest, y, mask=ok)
     _store_fp8_groups(tl.where(ok, y.to(tl.float32), 0.0), rows, cols, padded_rows, heads, dim, q_ptr, s_ptr,
                       stride_q, stride_sm, stride_sg, ROWS, BLOCK, GROUP, QMAX)
@@ -219,22 +233,31 @@ def _launch(kernel, x: torch.Tensor, eps: float, *extra) -> torch.Tensor:
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm over the last dim: x [..., dim], weight [dim] -> contiguous [..., dim] in x's dtype."""
-    return _launch(_rms_norm_kernel, x, eps, weight)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             weighting: Weighting = Weighting.ZERO_CENTRED) -> torch.Tensor:
+    """RMSNorm over the last dim, weighted as `weighting` says: x [..., dim], weight [dim] -> contiguous [..., dim] in
+    x's dtype. ROUNDED with a weight of another dtype (its product with the rounded norm takes the wider one) runs
+    the torch reference."""
+    if weighting == Weighting.ROUNDED and weight.dtype != x.dtype:
+        return reference.rms_norm(x, weight, eps, weighting)
+    return _launch(_rms_norm_kernel, x, eps, weight, int(weighting))
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    weighting: Weighting = Weighting.ZERO_CENTRED,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [..., dim] (same shape and dtype), weight [dim] -> (x + residual, rms_norm(x + residual)), both
-    contiguous [..., dim] in x's dtype (module docstring)."""
+    contiguous [..., dim] in x's dtype (module docstring; `rms_norm` for `weighting`)."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} and x {tuple(x.shape)} "
                          f"{x.dtype} differ")
+    if weighting == Weighting.ROUNDED and weight.dtype != x.dtype:
+        return reference.add_rms_norm(x, residual, weight, eps, weighting)
     residuals, r_stride_t, r_stride_h, _ = _rows(residual)  # same shape, so the same row -> (t, h) split
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return total, _launch(_add_rms_norm_kernel, x, eps, residuals, r_stride_t, r_stride_h, total, weight)
+    return total, _launch(_add_rms_norm_kernel, x, eps, residuals, r_stride_t, r_stride_h, total, weight,
+                          int(weighting))
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
