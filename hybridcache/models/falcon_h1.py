@@ -90,13 +90,13 @@ class FalconH1DecoderLayer(nn.Module):
         kv, mamba_state = state
         m = self.multipliers
         if pending is None:
-            normed = self.input_layernorm(hidden)
+            normed = self.input_layernorm(hidden, step.backend)
         else:
-            hidden, normed = self.input_layernorm.add(hidden, pending)
+            hidden, normed = self.input_layernorm.add(hidden, pending, step.backend)
         # (the mixer's core output is read before the attention's core runs: piecewise graphs run them one by one)
         ssm = _scaled(self.mamba(_scaled(normed, m.ssm_in), step, mamba_state), m.ssm_out)
         attn = _scaled(self.self_attn(_scaled(normed, m.attention_in), step, kv), m.attention_out)
-        hidden, normed = self.pre_ff_layernorm.add(hidden, ssm + attn)
+        hidden, normed = self.pre_ff_layernorm.add(hidden, ssm + attn, step.backend)
         return hidden, self.feed_forward(normed, step)
 
 

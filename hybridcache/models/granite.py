@@ -169,11 +169,11 @@ class GraniteDecoderLayer(nn.Module):
                       state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on hidden + pending, returned as (residual, out) whose sum is its output."""
         if pending is None:
-            normed = self.input_layernorm(hidden)
+            normed = self.input_layernorm(hidden, step.backend)
         else:
-            hidden, normed = self.input_layernorm.add(hidden, pending)
+            hidden, normed = self.input_layernorm.add(hidden, pending, step.backend)
         out = self._scaled(self.mixer(normed, step, state))
-        hidden, normed = self.post_attention_layernorm.add(hidden, out)
+        hidden, normed = self.post_attention_layernorm.add(hidden, out, step.backend)
         ffn = self.shared_mlp(normed, step)
         if self.block_sparse_moe is not None:
             ffn = self.block_sparse_moe(normed, step) + ffn

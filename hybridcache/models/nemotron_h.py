@@ -154,9 +154,9 @@ class NemotronHBlock(nn.Module):
                       state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on hidden + pending, returned as (residual, out) whose sum is its output."""
         if pending is None:
-            normed = self.norm(hidden)
+            normed = self.norm(hidden, step.backend)
         else:
-            hidden, normed = self.norm.add(hidden, pending)
+            hidden, normed = self.norm.add(hidden, pending, step.backend)
         return hidden, self.mixer(normed, step, state)
 
 

@@ -91,8 +91,8 @@ class PostNormDecoderLayer(nn.Module):
                       state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
         if pending is not None:
             hidden = hidden + pending
-        hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, step, state))
-        return hidden, self.post_feedforward_layernorm(self.mlp(hidden, step))
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, step, state), step.backend)
+        return hidden, self.post_feedforward_layernorm(self.mlp(hidden, step), step.backend)
 
 
 class OlmoHybridForCausalLM(HybridCausalLM):
