@@ -34,6 +34,7 @@ import functools
 import torch
 from torch import nn
 
+from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.attention import kv_for_cache
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.linear import module_linear, module_swiglu_linear
@@ -90,7 +91,7 @@ class GraniteAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, step: StepContext, kv_layer: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; kv_layer [2, num_pages, kernel_block_size, Hkv, D] (updated in place)."""
         num_tokens = hidden.shape[0]
-        query, key, value = self._project(hidden)
+        query, key, value = self._project(hidden, step.backend)
         query = query.reshape(num_tokens, self.num_heads, self.head_dim)
         key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -102,9 +103,9 @@ class GraniteAttention(nn.Module):
         attn = step.core(functools.partial(self._attend, kv_layer), query, key, value)
         return module_linear(self.o_proj, attn.reshape(num_tokens, -1))
 
-    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [T, hidden] -> query [T, Hq * D], key, value [T, Hkv * D] (a subclass may normalise them here:
-        OLMo Hybrid's q_norm / k_norm)."""
+    def _project(self, hidden: torch.Tensor, backend: KernelBackend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] -> query [T, Hq * D], key, value [T, Hkv * D] (a subclass may normalise them here, with
+        `backend`'s norms: OLMo Hybrid's and LFM2's q_norm / k_norm)."""
         return self.qkv(hidden)
 
     def _attend(self, kv_layer: torch.Tensor, step: StepContext, query: torch.Tensor, key: torch.Tensor,

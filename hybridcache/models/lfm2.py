@@ -40,6 +40,7 @@ import functools
 import torch
 from torch import nn
 
+from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.mlp import MLP
 from hybridcache.layers.norm import RMSNorm
 from hybridcache.layers.short_conv import ShortConv
@@ -62,11 +63,11 @@ class Lfm2Attention(GraniteAttention):
         self.q_norm = Lfm2RMSNorm(head_dim, eps)
         self.k_norm = Lfm2RMSNorm(head_dim, eps)
 
-    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        query, key, value = super()._project(hidden)
+    def _project(self, hidden: torch.Tensor, backend: KernelBackend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        query, key, value = super()._project(hidden, backend)
         heads = (-1, self.head_dim)
-        return (self.q_norm(query.unflatten(-1, heads)).flatten(-2), self.k_norm(key.unflatten(-1, heads)).flatten(-2),
-                value)
+        return (self.q_norm(query.unflatten(-1, heads), backend).flatten(-2),
+                self.k_norm(key.unflatten(-1, heads), backend).flatten(-2), value)
 
 
 class Lfm2MoE(nn.Module):

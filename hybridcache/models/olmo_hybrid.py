@@ -39,6 +39,7 @@ import functools
 import torch
 from torch import nn
 
+from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.gated_deltanet import SeparateGatedDeltaNet
 from hybridcache.layers.mlp import MLP
 from hybridcache.layers.norm import RMSNorm
@@ -67,9 +68,9 @@ class OlmoHybridAttention(GraniteAttention):
         self.q_norm = OlmoRMSNorm(num_heads * head_dim, eps)
         self.k_norm = OlmoRMSNorm(num_kv_heads * head_dim, eps)
 
-    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        query, key, value = super()._project(hidden)
-        return self.q_norm(query), self.k_norm(key), value
+    def _project(self, hidden: torch.Tensor, backend: KernelBackend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        query, key, value = super()._project(hidden, backend)
+        return self.q_norm(query, backend), self.k_norm(key, backend), value
 
 
 class PostNormDecoderLayer(nn.Module):
