@@ -237,11 +237,11 @@ class KimiMLA(nn.Module):
         if m.q_lora_rank is None:
             query = module_linear(self.q_proj, hidden)
         else:
-            query = module_linear(self.q_b_proj, self.q_a_layernorm(module_linear(self.q_a_proj, hidden)))
+            query = module_linear(self.q_b_proj, self.q_a_layernorm(module_linear(self.q_a_proj, hidden), step.backend))
         q_nope, q_shared = query.view(n, heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
         latent, k_shared = module_linear(self.kv_a_proj_with_mqa, hidden).split([m.kv_lora_rank, m.qk_rope_head_dim],
                                                                                 dim=-1)
-        latent_rows = torch.cat([self.kv_a_layernorm(latent), k_shared], dim=-1)  # [T, E]
+        latent_rows = torch.cat([self.kv_a_layernorm(latent, step.backend), k_shared], dim=-1)  # [T, E]
         attn = step.core(functools.partial(self._attend, kv_layer), q_nope, q_shared, latent_rows)  # [T, H, Dv]
         return self.tp.all_reduce(module_linear(self.o_proj, attn.reshape(n, -1)))
 
