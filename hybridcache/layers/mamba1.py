@@ -89,9 +89,9 @@ class Mamba1Mixer(nn.Module):
         x, z = module_linear(self.in_proj, hidden).chunk(2, dim=-1)
         x = step.core(functools.partial(self._conv, state), x)  # [T, I]
         dt, B, C = module_linear(self.x_proj, x).split([self.dt_rank, self.state_size, self.state_size], dim=-1)  # noqa: N806
-        norm = step.backend  # Jamba's three RMSNorms: the backend's fused norm on CUDA
-        dt = kernel_backend.dense_linear(self.dt_layernorm(dt, norm), self.dt_proj.weight)  # [T, I], without the bias
-        B, C = self.b_layernorm(B, norm), self.c_layernorm(C, norm)  # noqa: N806
+        backend = step.backend  # (Jamba's three RMSNorms: the backend's fused norm on CUDA)
+        dt = kernel_backend.dense_linear(self.dt_layernorm(dt, backend), self.dt_proj.weight)  # [T, I], no bias
+        B, C = self.b_layernorm(B, backend), self.c_layernorm(C, backend)  # noqa: N806
         y = step.core(functools.partial(self._scan, state), x, dt, B, C, z)
         return module_linear(self.out_proj, y.to(hidden.dtype))
 

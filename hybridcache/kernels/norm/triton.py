@@ -39,7 +39,6 @@ import triton.language as tl
 from hybridcache.fp8_format import FP8_DTYPE, FP8_MAX
 from hybridcache.kernels import pdl
 from hybridcache.kernels.norm import reference
-from hybridcache.kernels.norm.reference import Weighting
 
 
 @triton.jit
@@ -234,25 +233,25 @@ def _launch(kernel, x: torch.Tensor, eps: float, *extra) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             weighting: Weighting = Weighting.ZERO_CENTRED) -> torch.Tensor:
+             weighting: reference.Weighting = reference.Weighting.ZERO_CENTRED) -> torch.Tensor:
     """RMSNorm over the last dim, weighted as `weighting` says: x [..., dim], weight [dim] -> contiguous [..., dim] in
     x's dtype. ROUNDED with a weight of another dtype (its product with the rounded norm takes the wider one) runs
     the torch reference."""
-    if weighting == Weighting.ROUNDED and weight.dtype != x.dtype:
+    if weighting == reference.Weighting.ROUNDED and weight.dtype != x.dtype:
         return reference.rms_norm(x, weight, eps, weighting)
     return _launch(_rms_norm_kernel, x, eps, weight, int(weighting))
 
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    weighting: Weighting = Weighting.ZERO_CENTRED,
+    weighting: reference.Weighting = reference.Weighting.ZERO_CENTRED,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [..., dim] (same shape and dtype), weight [dim] -> (x + residual, rms_norm(x + residual)), both
     contiguous [..., dim] in x's dtype (module docstring; `rms_norm` for `weighting`)."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} and x {tuple(x.shape)} "
                          f"{x.dtype} differ")
-    if weighting == Weighting.ROUNDED and weight.dtype != x.dtype:
+    if weighting == reference.Weighting.ROUNDED and weight.dtype != x.dtype:
         return reference.add_rms_norm(x, residual, weight, eps, weighting)
     residuals, r_stride_t, r_stride_h, _ = _rows(residual)  # same shape, so the same row -> (t, h) split
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
