@@ -153,9 +153,9 @@ def sweep_conv(seqs: int) -> list[dict]:
 
     def run(block_c: int, warps: int, i: int, out: torch.Tensor) -> None:
         conv_triton._conv_step_kernel[(seqs, triton.cdiv(CONV_CHANNELS, block_c))](
-            x, weight, weight, out, pool, slots[i], ctx, x.stride(0), out.stride(0), *pool.stride(), CONV_CHANNELS,
-            K=CONV_TAPS, BLOCK_W=triton.next_power_of_2(CONV_TAPS - 1), HAS_BIAS=False, SILU=True,
-            BLOCK_C=block_c, num_warps=warps, **pdl.options(x))
+            x, weight, weight, out, pool, slots[i], ctx, x, x, x.stride(0), out.stride(0), x.stride(0),
+            *pool.stride(), CONV_CHANNELS, K=CONV_TAPS, BLOCK_W=triton.next_power_of_2(CONV_TAPS - 1), HAS_BIAS=False,
+            SILU=True, GATED=False, BLOCK_C=block_c, num_warps=warps, **pdl.options(x))
 
     current = f"BLOCK_C {conv_triton._STEP_BLOCK_C}, 4 warps"
     for block_c, warps in CONV_LAUNCHES:

@@ -126,6 +126,7 @@ class KernelBackend(Protocol):
         batch: ForwardBatch,
         *,
         activation: str | None = "silu",
+        gates: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Depthwise causal convolution with SiLU (`activation` None: without, LFM2's short convolution), per
         sequence, continuing from its conv state.
@@ -134,6 +135,8 @@ class KernelBackend(Protocol):
         weight     [C, K];  bias [C] or None
         conv_layer [num_slots, C, K-1]   the last K-1 inputs of each slot, oldest first; updated in place
                    for every sequence of the batch (fresh sequences read zeros instead of their row)
+        gates      (b, c), each [T, C], or None: the inputs are b * x and the result is multiplied by c (LFM2's
+                   gated short convolution, `c * conv(b * x)` with each product in x's dtype; the state keeps b * x)
         returns    [T, C] in x's dtype: silu(sum_j weight[:, j] * window[j] + bias)
         """
         ...
@@ -494,8 +497,11 @@ class ReferenceBackend(SharedOps):
         batch: ForwardBatch,
         *,
         activation: str | None = "silu",
+        gates: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         meta = _metadata(batch)
+        if gates is not None:
+            x = gates[0] * x
         out = torch.empty_like(x)
         for i, rows in _sequence_rows(batch, meta):
             slot = meta.state_slots[i]
@@ -512,7 +518,7 @@ class ReferenceBackend(SharedOps):
                 x[decode.rows], weight, bias, conv_layer[decode.slots], activation=activation
             )
             conv_layer.index_copy_(0, decode.slots, state)
-        return out
+        return out if gates is None else gates[1] * out
 
     def gated_delta_rule(
         self,

@@ -329,18 +329,24 @@ class CudaBackend(SharedOps):
         batch: ForwardBatch,
         *,
         activation: str | None = "silu",
+        gates: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """All-decode: one launch, the gates inside it; otherwise the gates are torch products around the
+        varlen kernels (prefill is bandwidth-bound, not launch-bound)."""
         meta = _metadata(batch)
         if meta.all_decode:
             return causal_conv1d_decode(x, weight, bias, conv_layer, batch.state_slots, batch.context_lens,
-                                        activation=activation)
+                                        activation=activation, gates=gates)
+        if gates is not None:
+            x = gates[0] * x
         if meta.verify is not None:  # before the varlen kernel rewrites the slots it reads
             conv_draft_states(x, conv_layer, batch.state_slots, batch.cu_seqlens, batch.context_lens,
                               meta.verify.draft_table, meta.verify.num_drafts)
-        return causal_conv1d_varlen(
+        out = causal_conv1d_varlen(
             x, weight, bias, conv_layer, batch.state_slots, batch.cu_seqlens, batch.context_lens,
             batch.query_lens_cpu, chunk_indices=meta.chunks, activation=activation,
         )
+        return out if gates is None else gates[1] * out
 
     def gated_delta_rule(
         self,

@@ -6,7 +6,8 @@ Over the whole batch (T new tokens, hidden [T, H]; the backend runs each sequenc
     out = out_proj(y)
 
 `bias` (config.json's `conv_bias`) puts a bias on in_proj, the conv and out_proj, as transformers does. The conv is
-the backend's `causal_conv1d` with `activation=None`, the op (and kernels) DeltaNet's and Mamba2's convs run with SiLU.
+the backend's `causal_conv1d` with `activation=None` and `gates=(B, C)`, the op (and kernels) DeltaNet's and
+Mamba2's convs run with SiLU; a CUDA decode step runs the gates inside the conv's launch.
 
 State (`state_spec`): `conv` [num_slots, H, K-1] in the model dtype; sequence i uses row batch.state_slots[i]; a fresh
 sequence (context_len == query_len) starts from zeros whatever its row holds.
@@ -50,11 +51,11 @@ class ShortConv(nn.Module):
     def forward(self, hidden: torch.Tensor, step: StepContext, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """hidden [T, H] -> [T, H]; state["conv"] [num_slots, H, K-1] of this layer is updated in place."""
         b, c, x = module_linear(self.in_proj, hidden).chunk(3, dim=-1)
-        conv = step.core(functools.partial(self._conv, state), b * x)
-        return module_linear(self.out_proj, c * conv)
+        return module_linear(self.out_proj, step.core(functools.partial(self._conv, state), b, c, x))
 
-    def _conv(self, state: Mapping[str, torch.Tensor], step: StepContext, bx: torch.Tensor) -> torch.Tensor:
-        """The layer's core (`StepContext.core`): bx [T, H] -> the conv of each sequence from its state row [T, H]
-        (the rows updated in place)."""
-        return step.backend.causal_conv1d(bx, self.conv.weight.squeeze(1), self.conv.bias, state["conv"], step.batch,
-                                          activation=None)
+    def _conv(self, state: Mapping[str, torch.Tensor], step: StepContext, b: torch.Tensor, c: torch.Tensor,
+              x: torch.Tensor) -> torch.Tensor:
+        """The layer's core (`StepContext.core`): b, c, x [T, H] -> c * the conv of b * x, each sequence from its
+        state row [T, H] (the rows updated in place; one launch for a decode step on CUDA)."""
+        return step.backend.causal_conv1d(x, self.conv.weight.squeeze(1), self.conv.bias, state["conv"], step.batch,
+                                          activation=None, gates=(b, c))

@@ -207,6 +207,28 @@ def check_decode_step(dtype: torch.dtype, device: torch.device, context_lens: Se
     }
 
 
+def check_gated_conv_step(dtype: torch.dtype, device: torch.device, context_lens: Sequence[int] = LENGTHS,
+                          channels: int = 320, kernel: int = 3, seed: int = 0) -> dict[str, ErrorStats]:
+    """The decode conv with LFM2's gates inside its launch (`gates=(b, c)`, b, c and x column views of one [N, 3C]
+    projection) against torch's `c * conv(b * x)` around the ungated launch, from the same pool: the outputs and
+    the states it writes (b * x) should agree bit for bit."""
+    from hybridcache.kernels.conv.triton import causal_conv1d_decode
+
+    gen = torch.Generator().manual_seed(seed)
+    num = len(context_lens)
+    batch = varlen_batch([1] * num, [c - 1 for c in context_lens], device, seed)
+    projected, weight, bias = _conv_inputs(num, 3 * channels, kernel, dtype, device, gen)
+    b, c, x = projected.chunk(3, dim=-1)
+    weight, bias = weight[:channels].contiguous(), bias[:channels]
+    pool = torch.randn(batch.num_slots, channels, kernel - 1, generator=gen).to(device, dtype)
+    pool_unfused = pool.clone()
+    fused = causal_conv1d_decode(x, weight, bias, pool, batch.state_slots, batch.context_lens, activation=None,
+                                 gates=(b, c))
+    unfused = c * causal_conv1d_decode(b * x, weight, bias, pool_unfused, batch.state_slots, batch.context_lens,
+                                       activation=None)
+    return {"out": error_stats(fused, unfused), "pool": error_stats(pool, pool_unfused)}
+
+
 @dataclass(frozen=True)
 class PagedKV:
     kv_pool: torch.Tensor  # [2, num_pages, page, Hkv, D]

@@ -99,6 +99,15 @@ def test_cuda_conv_without_activation(dtype: torch.dtype, cuda: torch.device) ->
 
 @needs_cuda
 @DTYPES
+def test_cuda_gated_conv_step_equals_torch_gates(dtype: torch.dtype, cuda: torch.device) -> None:
+    """LFM2's gated short convolution's decode step in one launch: bit for bit torch's `c * conv(b * x)`."""
+    from tests.kernels.cuda_checks import check_gated_conv_step
+
+    assert_within(check_gated_conv_step(dtype, cuda), {"out": EXACT, "pool": EXACT})
+
+
+@needs_cuda
+@DTYPES
 @pytest.mark.parametrize(("page", "heads", "head_dim"), [(16, (16, 2), 256), (64, (8, 2), 128)],
                          ids=["page16-d256", "page64-d128"])
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
@@ -256,6 +265,16 @@ def test_interpreted_conv_step_without_activation() -> None:
     stats = check_decode_step(torch.float32, torch.device("cpu"), (1, 2, 17, 40), heads=(1, 2), dims=(32, 16),
                               channels=100, kernel=3, activation=None)
     assert_within(stats, {name: OURS[torch.float32] for name in stats})
+
+
+@needs_interpreter
+def test_interpreted_gated_conv_step_equals_torch_gates() -> None:
+    """LFM2's gates inside the decode conv's launch: the same bits as torch's products around it (fp32: the
+    interpreter's bf16 rounding is not the hardware's)."""
+    from tests.kernels.cuda_checks import check_gated_conv_step
+
+    stats = check_gated_conv_step(torch.float32, torch.device("cpu"), (1, 2, 17, 40), channels=100)
+    assert_within(stats, {"out": EXACT, "pool": EXACT})
 
 
 @needs_interpreter

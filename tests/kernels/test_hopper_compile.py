@@ -34,6 +34,7 @@ GDN_POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "
                 "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "conv_ptr": "*bf16", "a_ptr": "*bf16",
                 "b_ptr": "*bf16"}
 CONV_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "pool_ptr": "*bf16",
+                 "in_gate_ptr": "*bf16", "out_gate_ptr": "*bf16",
                  "slots_ptr": "*i64", "cu_ptr": "*i32", "ctx_ptr": "*i32", "chunk_ptr": "*i32",
                  "table_ptr": "*i64", "drafts_ptr": "*i32"}
 CONV = dict(BLOCK_C=128)  # kernel size 4: W = 3 state entries, BLOCK_W = 4
@@ -138,9 +139,21 @@ def test_conv_prefill_and_step_compile_for_hopper(has_bias, silu):
                               integers(_conv_varlen_rows_kernel), dict(K=4, HAS_BIAS=has_bias, SILU=silu, BLOCK_T=64,
                                                                        BLOCK_C=1024))
     step = compile_for_hopper(_conv_step_kernel, pointers(_conv_step_kernel, CONV_POINTERS),
-                              integers(_conv_step_kernel), dict(CONV, K=4, BLOCK_W=4, HAS_BIAS=has_bias, SILU=silu))
+                              integers(_conv_step_kernel), dict(CONV, K=4, BLOCK_W=4, HAS_BIAS=has_bias, SILU=silu,
+                                                                GATED=False))
     for compiled in (varlen, rows, step):  # the SiLU's sigmoid is the kernels' only exponential
         assert ("ex2" in compiled.asm["ptx"]) == silu
+
+
+def test_gated_conv_step_compiles_for_hopper():
+    """LFM2's decode conv (3 taps, no SiLU) with its gates in the launch: the gated variant reads the two gate rows
+    the ungated one does not (more global loads), and neither has an exponential."""
+    ptx = {gated: compile_for_hopper(_conv_step_kernel, pointers(_conv_step_kernel, CONV_POINTERS),
+                                     integers(_conv_step_kernel), dict(CONV, K=3, BLOCK_W=2, HAS_BIAS=False,
+                                                                       SILU=False, GATED=gated)).asm["ptx"]
+           for gated in (False, True)}
+    assert not any("ex2" in text for text in ptx.values())
+    assert ptx[True].count("ld.global") > ptx[False].count("ld.global")
 
 
 @pytest.mark.parametrize("kernel", [_conv_state_kernel, _conv_draft_states_kernel], ids=["state", "draft_states"])

@@ -15,7 +15,8 @@ Prefill (`causal_conv1d_varlen`), two launches:
   2. one program per (sequence, channel block) writes the new state, the last K-1 of (old state ++ x), in place.
   The second launch runs after the first, so no program reads a state row another has already rewritten.
 Decode (`causal_conv1d_decode`): one token per sequence, one launch; each program owns its (slot, channels)
-rows, reads the state, writes the output and the shifted state.
+rows, reads the state, writes the output and the shifted state; with `gates` (LFM2's B and C) it also multiplies
+its input and output by them, so the gated short convolution's step is one launch instead of three.
 
 Accumulation is fp32; the output is rounded once to x's dtype (the reference rounds each product in bf16,
 so bf16 results differ by about one bf16 ulp).
@@ -213,11 +214,13 @@ def _conv_state_kernel(
 
 @triton.jit
 def _conv_step_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, pool_ptr, slots_ptr, ctx_ptr,
-    stride_xn, stride_on, stride_ps, stride_pc, stride_pw, num_channels,
-    K: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, pool_ptr, slots_ptr, ctx_ptr, in_gate_ptr, out_gate_ptr,
+    stride_xn, stride_on, stride_gn, stride_ps, stride_pc, stride_pw, num_channels,
+    K: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
+    """GATED: the input is in_gate * x and the output out_gate * conv, each product rounded to x's dtype as torch
+    rounds `b * x` and `c * conv` (LFM2's short convolution: the state keeps in_gate * x)."""
     pdl.start(PDL)
     seq = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
@@ -233,6 +236,9 @@ def _conv_step_kernel(
     shifted = tl.load(state_row + (cols + 1)[None, :] * stride_pw,
                       mask=chan_ok[:, None] & (cols + 1 < width)[None, :], other=0.0)
     xv = tl.load(x_ptr + seq * stride_xn + chans, mask=chan_ok, other=0.0)
+    if GATED:
+        gate = tl.load(in_gate_ptr + seq * stride_gn + chans, mask=chan_ok, other=0.0)
+        xv = (xv.to(tl.float32) * gate.to(tl.float32)).to(x_ptr.dtype.element_ty)
     w_old = tl.load(w_ptr + chans[:, None] * K + cols[None, :], mask=chan_ok[:, None] & col_ok[None, :],
                     other=0.0).to(tl.float32)
     w_new = tl.load(w_ptr + chans * K + (K - 1), mask=chan_ok, other=0.0).to(tl.float32)
@@ -241,7 +247,11 @@ def _conv_step_kernel(
         acc += tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + seq * stride_on + chans, acc.to(out_ptr.dtype.element_ty), mask=chan_ok)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if GATED:
+        gate = tl.load(out_gate_ptr + seq * stride_gn + chans, mask=chan_ok, other=0.0)
+        out = (out.to(tl.float32) * gate.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + seq * stride_on + chans, out, mask=chan_ok)
     new_state = tl.where((cols == K - 2)[None, :], xv[:, None].to(pool_ptr.dtype.element_ty),
                          shifted.to(pool_ptr.dtype.element_ty))
     tl.store(state_row + cols[None, :] * stride_pw, new_state, mask=chan_ok[:, None] & col_ok[None, :])
@@ -311,21 +321,29 @@ def causal_conv1d_decode(
     context_lens: torch.Tensor,
     *,
     activation: str | None = "silu",
+    gates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: x [N, C] -> out [N, C]; conv_pool[state_slots] shifted in place.
 
     A sequence with context_len == 1 is fresh (its old state is read as zeros). Slots must be distinct.
+    gates (b, c), each [N, C] with unit channel stride and one row stride (column views of one GEMM output, as
+    LFM2's B and C): out = c * conv(b * x), the state keeping b * x, each product rounded to x's dtype (torch's
+    `c * conv(b * x)` bit for bit).
     """
     _check(x, weight, conv_pool, activation)
+    if gates is not None and not all(g.shape == x.shape and g.stride() == gates[0].stride() and g.stride(-1) == 1
+                                     for g in gates):
+        raise ValueError("gates must be two tensors of x's shape with unit stride over channels and one row stride")
     num, channels = x.shape
     kernel_size = weight.shape[1]
     out = torch.empty(num, channels, dtype=x.dtype, device=x.device)
     if num == 0:
         return out
+    in_gate, out_gate = gates if gates is not None else (x, x)
     _conv_step_kernel[(num, triton.cdiv(channels, _STEP_BLOCK_C))](
-        x, weight, bias if bias is not None else weight, out, conv_pool, state_slots, context_lens,
-        x.stride(0), out.stride(0), *conv_pool.stride(), channels,
+        x, weight, bias if bias is not None else weight, out, conv_pool, state_slots, context_lens, in_gate, out_gate,
+        x.stride(0), out.stride(0), in_gate.stride(0), *conv_pool.stride(), channels,
         K=kernel_size, BLOCK_W=triton.next_power_of_2(kernel_size - 1), HAS_BIAS=bias is not None,
-        SILU=activation == "silu", BLOCK_C=_STEP_BLOCK_C, **pdl.options(x),
+        SILU=activation == "silu", GATED=gates is not None, BLOCK_C=_STEP_BLOCK_C, **pdl.options(x),
     )
     return out
