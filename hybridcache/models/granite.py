@@ -140,8 +140,10 @@ class GraniteMoE(nn.Module):
         self.experts = nn.ModuleList(MLP(hidden_size, intermediate_size, reduce=False) for _ in range(num_experts))
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        top_weights, top_ids = step.backend.route(module_linear(self.router, x).float(), self.top_k, True)
-        return step.backend.moe(x, top_weights.to(x.dtype), top_ids, self.experts)
+        """transformers' gating (fp32 logits, the top-k's softmax, the weights in x's dtype): `route` softmaxes x's
+        dtype's logits in fp32 and rounds the weights to it, the same bits as casting before and after."""
+        top_weights, top_ids = step.backend.route(module_linear(self.router, x), self.top_k, True)
+        return step.backend.moe(x, top_weights, top_ids, self.experts)
 
 
 class GraniteDecoderLayer(nn.Module):

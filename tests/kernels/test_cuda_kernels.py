@@ -197,6 +197,19 @@ def test_cuda_route(dtype: torch.dtype, cuda: torch.device) -> None:
 
 
 @needs_cuda
+def test_cuda_route_of_bf16_logits_is_the_route_of_their_upcast_rounded(cuda: torch.device) -> None:
+    """Granite's gating (bf16 logits in, bf16 weights out) is the same bits as the fp32 launch rounded after it."""
+    from hybridcache.kernels.moe.triton_route import route
+
+    for rows in (64, 2000):  # the decode launch (a row a program) and the prefill one (16 rows a program)
+        logits = (3 * torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))).to(cuda, torch.bfloat16)
+        weights, ids = route(logits, 6, True)
+        ref_weights, ref_ids = route(logits.float(), 6, True)
+        assert weights.dtype == torch.bfloat16 and torch.equal(ids, ref_ids)
+        assert torch.equal(weights, ref_weights.to(torch.bfloat16))
+
+
+@needs_cuda
 def test_cuda_route_sigmoid(cuda: torch.device) -> None:
     from tests.kernels.cuda_checks import check_route_sigmoid
 

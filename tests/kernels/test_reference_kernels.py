@@ -119,3 +119,16 @@ def test_batched_decode_steps_equal_per_sequence_steps():
         want, want_state = delta_ref.recurrent_gated_delta_rule(*inputs[i])
         torch.testing.assert_close(delta_out[i : i + 1], want, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(delta_state[i], want_state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_route_of_half_logits_is_the_route_of_their_upcast_rounded(dtype):
+    """Granite's gating hands `route` the router's logits in the model dtype: its fp32 softmax of the exact upcast,
+    rounded to that dtype, is transformers' `.float()` before and `.type_as(hidden)` after, bit for bit."""
+    from hybridcache.kernels.moe import reference as moe_ref
+
+    logits = (3 * torch.randn(200, 64, generator=torch.Generator().manual_seed(0))).to(dtype)
+    weights, ids = moe_ref.route(logits, 6, True)
+    ref_weights, ref_ids = moe_ref.route(logits.float(), 6, True)
+    assert weights.dtype == dtype and torch.equal(ids, ref_ids)
+    assert torch.equal(weights, ref_weights.to(dtype))
