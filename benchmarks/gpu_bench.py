@@ -144,7 +144,8 @@ MODELS = {
         layer_types=["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
         position_embedding_type="nope", num_local_experts=64, num_experts_per_tok=6, intermediate_size=512,
         shared_intermediate_size=1024, mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128,
-        mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=True)),
+        mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=True,
+        residual_multiplier=0.22, embedding_multiplier=12.0)),  # (the Granite family's muP multipliers)
     "nemotron-h-9b": ("NemotronHConfig", "NemotronHForCausalLM", dict(
         vocab_size=131072, hidden_size=4480, num_hidden_layers=56,
         hybrid_override_pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
