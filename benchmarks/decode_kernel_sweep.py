@@ -229,7 +229,8 @@ def sweep_norms(seqs: int) -> list[dict]:
 
         def run(warps: int, _i: int, o=out, t=total, x=x, r=r, w=w, block=block, rows=rows, hidden=hidden) -> None:
             norm_triton._add_rms_norm_kernel[(triton.cdiv(seqs, rows),)](
-                x, o, seqs, x.stride(0), 0, 1, hidden, 1e-6, r, r.stride(0), 0, t, w, 0, ROWS=rows, BLOCK=block,
+                x, o, seqs, x.stride(0), 0, 1, hidden, 1e-6, r, r.stride(0), 0, t, w, 1.0, 0, False, ROWS=rows,
+                BLOCK=block,
                 num_warps=warps, **pdl.options(x))
 
         for warps in NORM_WARPS:

@@ -282,11 +282,12 @@ class KernelBackend(Protocol):
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-        weighting: Weighting = Weighting.ZERO_CENTRED,
+        weighting: Weighting = Weighting.ZERO_CENTRED, scale: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A residual add and the RMSNorm after it: x, residual [..., dim] (one dtype), weight [dim] ->
         (s, rms_norm(s, weighting)) with s = x + residual rounded to x's dtype (as torch's add rounds it), both in
-        x's dtype."""
+        x's dtype; `scale` != 1: s = x + residual * scale, the product rounded first (Granite's residual
+        multiplier, as transformers computes it)."""
         ...
 
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

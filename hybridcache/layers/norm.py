@@ -88,9 +88,10 @@ class RMSNorm(nn.Module):
         return backend.rms_norm(x, self.weight, self.eps, self.weighting)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor, backend: KernelBackend | None = None,
-            fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, this norm of it): one launch on CUDA (`backend.add_rms_norm`)."""
+            fp8: bool = False, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual * scale, this norm of it): one launch on CUDA (`backend.add_rms_norm`; `scale`: Granite's
+        residual multiplier, the product rounded before the add as transformers' is)."""
         del fp8  # (not asked here: an FP8 linear after this norm quantises its own input)
         if backend is None:
-            return kernel_backend.ReferenceBackend.add_rms_norm(x, residual, self.weight, self.eps, self.weighting)
-        return backend.add_rms_norm(x, residual, self.weight, self.eps, self.weighting)
+            backend = kernel_backend.ReferenceBackend
+        return backend.add_rms_norm(x, residual, self.weight, self.eps, self.weighting, scale)

@@ -20,10 +20,12 @@ ffn = shared_mlp (+ the routed experts, top-k softmax over the top-k router logi
 The attention is plain GQA (no gate, no q/k norm) with softmax scale attention_multiplier, rotary only when
 position_embedding_type is "rope" (Granite-4.0-H: "nope").
 
-The RMSNorms run as torch ops on every device (transformers' rounding: normalised in fp32, rounded to the input
-dtype, then times the weight). FP8: compressed-tensors FP8_DYNAMIC checkpoints as llm-compressor's Granite-4.0-H
-recipe writes them (the stacked experts' `input_linear.weight_scale` [E, 2I, 1] split per expert by the loader; the
-router dense), the other FP8 layouts the loader reads, `--quantization fp8`, FP8 KV (`GraniteAttention.kv_dtype`).
+The RMSNorms are the backend's (`layers.norm.RMSNorm`: transformers' rounding, normalised in fp32, rounded to the
+input dtype, then times the weight), and each residual add is the next norm's, m * out rounded before the add as
+transformers' `residual + out * residual_multiplier` rounds it (`add_rms_norm`'s `scale`: one launch on CUDA).
+FP8: compressed-tensors FP8_DYNAMIC checkpoints as llm-compressor's Granite-4.0-H recipe writes them (the stacked
+experts' `input_linear.weight_scale` [E, 2I, 1] split per expert by the loader; the router dense), the other FP8
+layouts the loader reads, `--quantization fp8`, FP8 KV (`GraniteAttention.kv_dtype`).
 Not supported (a ValueError says so): tensor parallelism, MTP, images.
 """
 
@@ -34,16 +36,17 @@ import functools
 import torch
 from torch import nn
 
+from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.attention import kv_for_cache
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.linear import module_linear, module_swiglu_linear
 from hybridcache.layers.mlp import MLP
 from hybridcache.layers.norm import RMSNorm
-from hybridcache.layers.step import StepContext
+from hybridcache.layers.step import Splitter, StepContext
 from hybridcache.models.config import LayerKind, ModelConfig
 from hybridcache.models.mamba_hybrid import MambaHybridLM, mamba2_mixer
-from hybridcache.state_spec import AttentionSpec, LayerState
+from hybridcache.state_spec import AttentionSpec, DevicePools, LayerState
 
 
 class GraniteAttention(nn.Module):
@@ -148,7 +151,8 @@ class GraniteMoE(nn.Module):
 
 class GraniteDecoderLayer(nn.Module):
     """h + m * mixer(input_layernorm(h)), then h + m * (shared_mlp + block_sparse_moe)(post_attention_layernorm(h))
-    (m: residual_multiplier); `forward_split` as `hybrid_lm.DecoderLayer`'s."""
+    (m: residual_multiplier); `forward_split` as `hybrid_lm.DecoderLayer`'s, except that its pending output is not yet
+    times m: the norm that adds it scales it (the next layer's, or the model's `forward_layers` after the last)."""
 
     def __init__(self, mixer_name: str, mixer: nn.Module, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -170,20 +174,18 @@ class GraniteDecoderLayer(nn.Module):
 
     def forward_split(self, hidden: torch.Tensor, pending: torch.Tensor | None, step: StepContext,
                       state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer on hidden + pending, returned as (residual, out) whose sum is its output."""
+        """The layer on hidden + m * pending, returned as (residual, out) whose residual + m * out is its output."""
+        m = self.residual_multiplier
         if pending is None:
             normed = self.input_layernorm(hidden, step.backend)
         else:
-            hidden, normed = self.input_layernorm.add(hidden, pending, step.backend)
-        out = self._scaled(self.mixer(normed, step, state))
-        hidden, normed = self.post_attention_layernorm.add(hidden, out, step.backend)
+            hidden, normed = self.input_layernorm.add(hidden, pending, step.backend, scale=m)
+        out = self.mixer(normed, step, state)
+        hidden, normed = self.post_attention_layernorm.add(hidden, out, step.backend, scale=m)
         ffn = self.shared_mlp(normed, step)
         if self.block_sparse_moe is not None:
             ffn = self.block_sparse_moe(normed, step) + ffn
-        return hidden, self._scaled(ffn)
-
-    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
-        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
+        return hidden, ffn
 
 
 class GraniteMoeHybridForCausalLM(MambaHybridLM):
@@ -192,6 +194,14 @@ class GraniteMoeHybridForCausalLM(MambaHybridLM):
 
     def _layer(self, layer_id: int) -> nn.Module:
         return GraniteDecoderLayer(*self._mixer(layer_id), self.config, layer_id)
+
+    def forward_layers(self, batch: ForwardBatch, pools: DevicePools, backend: KernelBackend,
+                       splitter: Splitter | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`HybridCausalLM.forward_layers`, the last layer's pending output times m (each layer's own is scaled by
+        the norm after it: `GraniteDecoderLayer`)."""
+        hidden, pending = super().forward_layers(batch, pools, backend, splitter)
+        m = self.config.multipliers.residual
+        return hidden, pending if pending is None or m == 1.0 else pending * m
 
     def _mixer(self, layer_id: int) -> tuple[str, nn.Module]:
         c = self.config

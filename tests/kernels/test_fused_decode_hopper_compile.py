@@ -23,17 +23,29 @@ def typed(kernel, pointer: str, floats: tuple[str, ...] = ()) -> tuple[dict[str,
     return pointers, ints
 
 
-@pytest.mark.parametrize("weighting", [0, 1, 2], ids=["zero-centred", "rounded", "fp32"])
-def test_add_rms_norm_compiles_for_hopper(weighting):
-    """Each `Weighting` (Qwen's zero-centred norm; the other families' weight times the rounded norm, or in fp32)."""
-    pointers, ints = typed(_add_rms_norm_kernel, "*bf16", floats=("eps",))
-    compiled = compile_for_hopper(_add_rms_norm_kernel, pointers, ints, dict(ROWS=1, BLOCK=2048, WEIGHTING=weighting),
-                                  floats=("eps",))
+@pytest.mark.parametrize(("weighting", "scaled"), [(0, False), (1, False), (2, False), (1, True)],
+                         ids=["zero-centred", "rounded", "fp32", "rounded-scaled"])
+def test_add_rms_norm_compiles_for_hopper(weighting, scaled):
+    """Each `Weighting` (Qwen's zero-centred norm; the other families' weight times the rounded norm, or in fp32), and
+    Granite's residual multiplier (SCALED: one more multiply a residual element, rounded to bf16 before the add)."""
+    pointers, ints = typed(_add_rms_norm_kernel, "*bf16", floats=("eps", "scale"))
+    compiled = compile_for_hopper(_add_rms_norm_kernel, pointers, ints,
+                                  dict(ROWS=1, BLOCK=2048, WEIGHTING=weighting, SCALED=scaled), floats=("eps", "scale"))
     ptx = compiled.asm["ptx"]
     assert ptx.count("st.global") >= 2  # the sum and the normed row are both written
     assert "sqrt" in ptx
     param = next(p for p in _add_rms_norm_kernel.params if p.name == "num_rows")
     assert param.do_not_specialize  # the step's row count: one variant for every batch
+
+
+def test_scaled_add_rounds_the_scaled_residual_before_the_add():
+    """SCALED (Granite's residual multiplier) adds a multiply and a rounding to bf16 per residual element (torch's
+    `out * residual_multiplier` is a bf16 tensor before the add): more bf16 conversions than the plain add."""
+    pointers, ints = typed(_add_rms_norm_kernel, "*bf16", floats=("eps", "scale"))
+    ptx = {scaled: compile_for_hopper(_add_rms_norm_kernel, pointers, ints,
+                                      dict(ROWS=1, BLOCK=2048, WEIGHTING=1, SCALED=scaled),
+                                      floats=("eps", "scale")).asm["ptx"] for scaled in (False, True)}
+    assert ptx[True].count("cvt.rn.bf16") > ptx[False].count("cvt.rn.bf16")
 
 
 def test_norm_rotary_compiles_for_hopper():

@@ -40,20 +40,27 @@ def randn(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> torch.Tensor
 
 
 def check_add_rms_norm(rows: int, dim: int, dtype: torch.dtype, device: str, rtol: float,
-                       weighting: Weighting = Weighting.ZERO_CENTRED) -> None:
+                       weighting: Weighting = Weighting.ZERO_CENTRED, scale: float = 1.0) -> None:
+    """`scale` (Granite's residual multiplier): the residual times it, rounded, then the add, as transformers'
+    `residual + out * residual_multiplier` (the reference is torch's two ops)."""
     from hybridcache.kernels.norm import triton as fused
 
     x = randn((rows, dim), 1, 2.0).to(device, dtype)
     residual = randn((rows, dim), 2, 3.0).to(device, dtype)
     weight = randn((dim,), 3, 0.5).to(device, dtype)
-    total, normed = fused.add_rms_norm(x, residual, weight, 1e-6, weighting)
-    want_total, want_normed = norm_ref.add_rms_norm(x, residual, weight, 1e-6, weighting)
+    total, normed = fused.add_rms_norm(x, residual, weight, 1e-6, weighting, scale)
+    want_total, want_normed = norm_ref.add_rms_norm(x, residual, weight, 1e-6, weighting, scale)
+    if scale != 1.0:
+        assert torch.equal(want_total, x + residual * scale)
     assert total.dtype == normed.dtype == dtype and total.is_contiguous() and normed.is_contiguous()
     if device == "cuda":  # one rounded add on both sides
         assert torch.equal(total, want_total)
-    else:  # the interpreter truncates where torch rounds
-        torch.testing.assert_close(total, want_total, rtol=rtol, atol=0)
-    torch.testing.assert_close(normed, want_normed, rtol=rtol, atol=rtol * 1e-2)
+    else:  # the interpreter truncates where torch rounds (a truncated scaled residual: an ulp of it, absolute,
+        # which a cancelling sum does not shrink)
+        atol = 0.0 if scale == 1.0 else rtol * float((residual.float() * scale).abs().max())
+        torch.testing.assert_close(total, want_total, rtol=rtol, atol=atol)
+    if device == "cuda" or scale == 1.0:  # (the interpreter's truncated scaled sums: checked above, then their norm)
+        torch.testing.assert_close(normed, want_normed, rtol=rtol, atol=rtol * 1e-2)
     # the norm is of the rounded sum: against torch's norm of our own sum, bit-for-bit tolerances do not widen
     torch.testing.assert_close(normed, norm_ref.rms_norm(total, weight, 1e-6, weighting), rtol=rtol,
                                atol=rtol * 1e-2)
@@ -141,6 +148,14 @@ def test_cuda_add_rms_norm(rows: int, dim: int, dtype: torch.dtype, weighting: W
 
 @needs_cuda
 @DTYPES
+@NORM_SHAPES
+def test_cuda_add_rms_norm_with_a_residual_multiplier(rows: int, dim: int, dtype: torch.dtype) -> None:
+    """Granite's norms: x + round(residual * 0.22), then the rounded norm times the weight; the sum bit for bit."""
+    check_add_rms_norm(rows, dim, dtype, "cuda", ULP[dtype], Weighting.ROUNDED, scale=0.22)
+
+
+@needs_cuda
+@DTYPES
 @WEIGHTINGS
 def test_cuda_rms_norm_of_head_views(dtype: torch.dtype, weighting: Weighting) -> None:
     check_rms_norm_of_head_views(dtype, "cuda", ULP[dtype], weighting)
@@ -209,6 +224,14 @@ def test_fused_decode_kernels_in_a_triton_interpreter_subprocess() -> None:
 def test_interpreted_add_rms_norm(rows: int, dim: int, dtype: torch.dtype, weighting: Weighting) -> None:
     # ROUNDED truncates three times here (the sum, the norm, its product with w) where torch rounds
     check_add_rms_norm(rows, dim, dtype, "cpu", (4 if weighting == Weighting.ROUNDED else 2) * ULP[dtype], weighting)
+
+
+@needs_interpreter
+@DTYPES
+@NORM_SHAPES
+def test_interpreted_add_rms_norm_with_a_residual_multiplier(rows: int, dim: int, dtype: torch.dtype) -> None:
+    # four truncations where torch rounds: the scaled residual, the sum, the norm, its product with w
+    check_add_rms_norm(rows, dim, dtype, "cpu", 6 * ULP[dtype], Weighting.ROUNDED, scale=0.22)
 
 
 @needs_interpreter

@@ -47,10 +47,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    weighting: Weighting = Weighting.ZERO_CENTRED,
+    weighting: Weighting = Weighting.ZERO_CENTRED, scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual [..., dim] (one dtype), weight [dim] -> (x + residual, rms_norm(x + residual)), both in x's dtype."""
-    total = x + residual
+    """x, residual [..., dim] (one dtype), weight [dim] -> (s, rms_norm(s)) with s = x + residual * scale (the product
+    rounded to the dtype, then the sum: transformers' Granite `residual + out * residual_multiplier`), both in x's
+    dtype."""
+    total = x + (residual if scale == 1.0 else residual * scale)
     return total, rms_norm(total, weight, eps, weighting)
 
 

@@ -88,11 +88,14 @@ def _weighted(x, w_ptr, cols, dim, eps, dtype: tl.constexpr, WEIGHTING: tl.const
 
 @triton.jit
 def _add_and_norm(x_ptr, r_ptr, sum_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, r_stride_t, r_stride_h, heads,
-                  dim, eps, dtype: tl.constexpr, WEIGHTING: tl.constexpr):
-    """The rows' x + residual, stored at sum_ptr in its dtype, and the RMSNorm of that stored sum (`_weighted`) in
+                  dim, eps, dtype: tl.constexpr, WEIGHTING: tl.constexpr, scale, SCALED: tl.constexpr):
+    """The rows' x + residual (SCALED: x + residual * scale, the product rounded to the sum's dtype first, as torch's
+    `residual * scale` is), stored at sum_ptr in its dtype, and the RMSNorm of that stored sum (`_weighted`) in
     `dtype`: returns (the rows' offsets in a contiguous [rows, dim] output, the norm)."""
     x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
     r = _load_rows(r_ptr, rows, r_stride_t, r_stride_h, heads, cols, ok)
+    if SCALED:
+        r = (r * scale).to(sum_ptr.dtype.element_ty).to(tl.float32)
     dest = rows[:, None] * dim + cols[None, :]
     total = (x + r).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + dest, total, mask=ok)
@@ -111,12 +114,12 @@ def _rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, e
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _add_rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, r_ptr, r_stride_t,
-                         r_stride_h, sum_ptr, w_ptr, WEIGHTING: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
+                         r_stride_h, sum_ptr, w_ptr, scale, WEIGHTING: tl.constexpr, SCALED: tl.constexpr,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
     dest, y = _add_and_norm(x_ptr, r_ptr, sum_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, r_stride_t,
-                            r_stride_h, heads, dim, eps, out_ptr.dtype.element_ty, WEIGHTING)
+                            r_stride_h, heads, dim, eps, out_ptr.dtype.element_ty, WEIGHTING, scale, SCALED)
     tl.store(out_ptr + dest, y, mask=ok)
 
 
@@ -169,7 +172,7 @@ def _add_rms_norm_fp8_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads
     pdl.start(PDL)
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
     dest, y = _add_and_norm(x_ptr, r_ptr, sum_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, r_stride_t,
-                            r_stride_h, heads, dim, eps, out_ptr.dtype.element_ty, 0)  # (zero-centred: Qwen's)
+                            r_stride_h, heads, dim, eps, out_ptr.dtype.element_ty, 0, 1.0, False)  # (Qwen's)
     tl.store(out_ptr + dest, y, mask=ok)
     _store_fp8_groups(tl.where(ok, y.to(tl.float32), 0.0), rows, cols, padded_rows, heads, dim, q_ptr, s_ptr,
                       stride_q, stride_sm, stride_sg, ROWS, BLOCK, GROUP, QMAX)
@@ -244,19 +247,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    weighting: reference.Weighting = reference.Weighting.ZERO_CENTRED,
+    weighting: reference.Weighting = reference.Weighting.ZERO_CENTRED, scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual [..., dim] (same shape and dtype), weight [dim] -> (x + residual, rms_norm(x + residual)), both
-    contiguous [..., dim] in x's dtype (module docstring; `rms_norm` for `weighting`)."""
+    """x, residual [..., dim] (same shape and dtype), weight [dim] -> (s, rms_norm(s)), s = x + residual * scale
+    (`reference.add_rms_norm`'s roundings), both contiguous [..., dim] in x's dtype (module docstring; `rms_norm` for
+    `weighting`)."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} and x {tuple(x.shape)} "
                          f"{x.dtype} differ")
     if weighting == reference.Weighting.ROUNDED and weight.dtype != x.dtype:
-        return reference.add_rms_norm(x, residual, weight, eps, weighting)
+        return reference.add_rms_norm(x, residual, weight, eps, weighting, scale)
     residuals, r_stride_t, r_stride_h, _ = _rows(residual)  # same shape, so the same row -> (t, h) split
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return total, _launch(_add_rms_norm_kernel, x, eps, residuals, r_stride_t, r_stride_h, total, weight,
-                          int(weighting))
+    return total, _launch(_add_rms_norm_kernel, x, eps, residuals, r_stride_t, r_stride_h, total, weight, scale,
+                          int(weighting), scale != 1.0)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
