@@ -26,9 +26,9 @@
 |                  | of delta_gates); else delta_gates, then gated_delta_rule                                       |
 | route            | one Triton launch: softmax, top-k, renormalisation (`moe/triton_route.py`)                     |
 | route_sigmoid    | one group: the same launch with sigmoid scores ranked with the bias; groups: the torch reference |
-| ssd_scan (Mamba2) | the torch step (`mamba2/fla.ssd_decode`) | fla's chunked simple-GLA kernels (`mamba2/fla.py`), |
-|                  | leading decode rows in the torch step; verify rows: the torch reference per sequence           |
-| gated_group_rms_norm | the torch reference (Mamba2's gated norm)                                                  |
+| ssd_scan (Mamba2) | one Triton launch (`mamba2/triton_step.py`) | fla's chunked simple-GLA kernels (`mamba2/fla.py`),|
+|                  | leading decode rows in the step launch; verify rows: the torch reference per sequence          |
+| gated_group_rms_norm | one Triton launch (Mamba2's gated norm: `norm/triton.py`)                                  |
 | selective_scan (Mamba1) | the Triton scan (`mamba1/triton.py`): one launch for every sequence, a program per        |
 |                  | (sequence, channel block) walking its tokens; verify rows: the torch reference per sequence    |
 | rotary           | one Triton launch per tensor: partial rotate-half RoPE (`rotary/triton.py`)                    |
@@ -413,8 +413,8 @@ class CudaBackend(SharedOps):
         A_log: torch.Tensor, dt_bias: torch.Tensor, D: torch.Tensor, ssm_layer: torch.Tensor,  # noqa: N803
         batch: ForwardBatch, *, dt_limit: tuple[float, float],
     ) -> torch.Tensor:
-        """All-decode: `mamba2/fla.ssd_decode`, the torch step over every row at once, slots and fresh rows
-        (context_len 1) read on the device (no host sync: a decode graph may capture it). A step with prefill rows
+        """All-decode: `mamba2/fla.ssd_decode`, one Triton launch over every row (`triton_step.py`), slots and fresh
+        rows (context_len 1) read on the device (no host sync: a decode graph may capture it). A step with prefill rows
         on CUDA: fla's chunked simple-GLA kernels (`mamba2/fla.py`) over every sequence, a mixed step's leading
         decode rows in the step (`mixed_ssd_scan`, the DeltaNet layers' `LeadingDecodes`); its lengths, freshness
         and slots are read on the device and the rows past cu_seqlens[-1] left unwritten, so a whole-step graph
@@ -425,7 +425,7 @@ class CudaBackend(SharedOps):
         if not self._said_scan:
             self._said_scan = True
             _logger.info("Mamba2 layers run flash-linear-attention's chunked simple-GLA kernels for prefill and the "
-                         "torch step for decode rows" if fla else "Mamba2 layers run the torch reference scan (fla "
+                         "Triton step for decode rows" if fla else "Mamba2 layers run the torch reference scan (fla "
                          "runs on CUDA only)")
         if not meta.all_decode and (batch.draft_rows is not None or not fla):
             return mamba2_scan(x, dt, B, C, A_log, dt_bias, D, ssm_layer, batch, dt_limit=dt_limit, decode=None)
@@ -529,7 +529,7 @@ class CudaBackend(SharedOps):
     rms_norm = staticmethod(fused_norm.rms_norm)
     add_rms_norm = staticmethod(fused_norm.add_rms_norm)
     gated_rms_norm = staticmethod(fused_norm.gated_rms_norm)
-    gated_group_rms_norm = staticmethod(mamba2_ref.gated_group_rms_norm)
+    gated_group_rms_norm = staticmethod(fused_norm.gated_group_rms_norm)
     silu_mul = staticmethod(triton_activation.silu_mul)
     sigmoid_gate_add = staticmethod(triton_activation.sigmoid_gate_add)
     sigmoid_mul = staticmethod(triton_activation.sigmoid_mul)

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("triton")
 
 from hybridcache.kernels.activation.triton import _sigmoid_mul_kernel  # noqa: E402
-from hybridcache.kernels.norm.triton import _add_rms_norm_kernel  # noqa: E402
+from hybridcache.kernels.norm.triton import _add_rms_norm_kernel, _gated_group_norm_kernel  # noqa: E402
 from hybridcache.kernels.rotary.triton import _norm_rotary_kernel  # noqa: E402
 from tests.kernels.hopper import compile_for_hopper  # noqa: E402
 
@@ -46,6 +46,18 @@ def test_scaled_add_rounds_the_scaled_residual_before_the_add():
                                       dict(ROWS=1, BLOCK=2048, WEIGHTING=1, SCALED=scaled),
                                       floats=("eps", "scale")).asm["ptx"] for scaled in (False, True)}
     assert ptx[True].count("cvt.rn.bf16") > ptx[False].count("cvt.rn.bf16")
+
+
+@pytest.mark.parametrize("norm_before_gate", [False, True], ids=["gate-first", "norm-first"])
+def test_gated_group_norm_compiles_for_hopper(norm_before_gate):
+    """Mamba2's gated group norm as a bf16 model launches it (the scan's fp32 output, a bf16 gate and weight), one
+    3,072-channel group a program (Granite-4.0-H-Tiny's): the gate's sigmoid and the norm's square root."""
+    pointers, ints = typed(_gated_group_norm_kernel, "*bf16", floats=("eps",))
+    pointers["x_ptr"] = "*fp32"
+    ptx = compile_for_hopper(_gated_group_norm_kernel, pointers, ints,
+                             dict(NORM_BEFORE_GATE=norm_before_gate, ROWS=1, BLOCK=4096), num_warps=16,
+                             floats=("eps",)).asm["ptx"]
+    assert "ex2" in ptx and "sqrt" in ptx
 
 
 def test_norm_rotary_compiles_for_hopper():

@@ -2,7 +2,8 @@
 
 - `add_rms_norm` and `rms_norm` (`kernels/norm/triton.py`): a decoder layer's residual add and the next RMSNorm, and
   the norm alone on a strided head view (a q_norm), with each `Weighting` (zero-centred: Qwen's; the weight as it
-  is, times the rounded norm or in fp32: the other families');
+  is, times the rounded norm or in fp32: the other families'); `gated_group_rms_norm`, Mamba2's gated norm per group of
+  channels (the gate first, or the norm first as Falcon-H1's), on the scan's fp32 output and a strided gate;
 - `norm_rotary` (`kernels/rotary/triton.py`): the attention layer's q_norm, k_norm and partial RoPE, on query and
   key head views of one fused q|gate / k / v projection (strided over tokens and heads), odd head counts, a
   rotary dim below the head dim;
@@ -64,6 +65,23 @@ def check_add_rms_norm(rows: int, dim: int, dtype: torch.dtype, device: str, rto
     # the norm is of the rounded sum: against torch's norm of our own sum, bit-for-bit tolerances do not widen
     torch.testing.assert_close(normed, norm_ref.rms_norm(total, weight, 1e-6, weighting), rtol=rtol,
                                atol=rtol * 1e-2)
+
+
+def check_gated_group_rms_norm(dtype: torch.dtype, device: str, rtol: float, group_size: int,
+                               norm_before_gate: bool) -> None:
+    """Mamba2's gated group norm (`norm/triton.gated_group_rms_norm`) against `mamba2.reference`: x the scan's fp32
+    output [T, I], the gate a column view of a wider projection row in `dtype`, the output in the gate's dtype."""
+    from hybridcache.kernels.mamba2 import reference as mamba2_ref
+    from hybridcache.kernels.norm import triton as fused
+
+    width = 240
+    x = randn((9, width), 11, 2.0).to(device)
+    gate = randn((9, width + 100), 12, 2.0).to(device, dtype)[:, 40 : 40 + width]
+    weight = randn((width,), 13, 0.5).to(device, dtype)
+    got = fused.gated_group_rms_norm(x, gate, weight, 1e-5, group_size, norm_before_gate)
+    want = mamba2_ref.gated_group_rms_norm(x, gate, weight, 1e-5, group_size, norm_before_gate)
+    assert got.dtype == dtype and got.shape == (9, width) and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * 1e-2)
 
 
 def check_rms_norm_of_head_views(dtype: torch.dtype, device: str, rtol: float, weighting: Weighting) -> None:
@@ -154,6 +172,17 @@ def test_cuda_add_rms_norm_with_a_residual_multiplier(rows: int, dim: int, dtype
     check_add_rms_norm(rows, dim, dtype, "cuda", ULP[dtype], Weighting.ROUNDED, scale=0.22)
 
 
+GROUPS = pytest.mark.parametrize(("group_size", "norm_before_gate"), [(240, False), (48, False), (80, True)],
+                                 ids=["one-group", "five-groups", "three-groups-norm-first"])
+
+
+@needs_cuda
+@DTYPES
+@GROUPS
+def test_cuda_gated_group_rms_norm(dtype: torch.dtype, group_size: int, norm_before_gate: bool) -> None:
+    check_gated_group_rms_norm(dtype, "cuda", ULP[dtype], group_size, norm_before_gate)
+
+
 @needs_cuda
 @DTYPES
 @WEIGHTINGS
@@ -232,6 +261,13 @@ def test_interpreted_add_rms_norm(rows: int, dim: int, dtype: torch.dtype, weigh
 def test_interpreted_add_rms_norm_with_a_residual_multiplier(rows: int, dim: int, dtype: torch.dtype) -> None:
     # four truncations where torch rounds: the scaled residual, the sum, the norm, its product with w
     check_add_rms_norm(rows, dim, dtype, "cpu", 6 * ULP[dtype], Weighting.ROUNDED, scale=0.22)
+
+
+@needs_interpreter
+@DTYPES
+@GROUPS
+def test_interpreted_gated_group_rms_norm(dtype: torch.dtype, group_size: int, norm_before_gate: bool) -> None:
+    check_gated_group_rms_norm(dtype, "cpu", 2 * ULP[dtype], group_size, norm_before_gate)
 
 
 @needs_interpreter

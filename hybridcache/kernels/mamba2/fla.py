@@ -1,5 +1,6 @@
 """Mamba2's selective state space scan (SSD) on CUDA over a whole varlen batch: flash-linear-attention's chunked
-simple-GLA kernels for prefill chunks, the torch step (`reference.ssd_step`) for decode rows.
+simple-GLA kernels for prefill chunks, `reference.ssd_step`'s math for decode rows (`ssd_decode`: one Triton launch,
+`triton_step.py`, on CUDA).
 
 Per head, Mamba2's recurrence (`reference.py`) is fla's simple GLA, a scalar log decay per token and head::
 
@@ -182,7 +183,14 @@ def ssd_decode(
 ) -> torch.Tensor:
     """One token of each of M sequences through `reference.ssd_step`, on the device only (graph-safe): state rows
     ssm_pool[state_slots], fresh rows (context_len 1) read as zeros, the new states written back. x [M, H, P];
-    dt [M, H] discretized; B, C [M, G, N]. Returns y [M, H, P] fp32, written into `out` when given."""
+    dt [M, H] discretized; B, C [M, G, N]. Returns y [M, H, P] fp32, written into `out` when given. Where `runs_on`
+    (CUDA) one Triton launch that updates the rows in place (`triton_step.ssd_step_update`); elsewhere torch's
+    ops (the gather, the step over whole tensors, the scatter)."""
+    if runs_on(x):
+        from hybridcache.kernels.mamba2 import triton_step
+
+        return triton_step.ssd_step_update(x, dt.contiguous(), A.contiguous(), B, C, D, ssm_pool, state_slots,
+                                           context_lens, out=out)
     state = ssm_pool.index_select(0, state_slots)
     state = torch.where((context_lens == 1)[:, None, None, None], torch.zeros_like(state), state)
     y, state = mamba2_ref.ssd_step(x, dt, A, B, C, D, state)

@@ -8,6 +8,8 @@ program takes 2,048 // width rows, see `_launch`):
   torch's add rounds it), written out, and rms_norm(s) from the rounded s: one launch for what took two.
 - `gated_rms_norm` (GatedRMSNorm of DeltaNet outputs): n = (x / rms(x)) rounded to x's dtype; p = w * n rounded
   to x's dtype (the module multiplies in the weight's dtype); y = p * silu(gate) in fp32, rounded once.
+- `gated_group_rms_norm` (Mamba2's gated norm): the gate's SiLU, the norm over each group of channels and the weight
+  in fp32, rounded once to the gate's dtype (x is the scan's fp32 output): one launch for torch's eleven.
 - `l2norm` (the gated delta rule's q / k): y = x / sqrt(sum(x^2) + eps) in fp32, rounded once (fla's
   convention, `gated_delta.reference.l2norm`). Ours rather than fla's in-kernel one: fla autotunes its l2norm
   over 25 configs per bucket of T * H / 65,536, so the first prefill of each new size bucket compiles (docs/bench.md,
@@ -131,6 +133,27 @@ def _gated_rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, 
     y = _gated_norm(x_ptr, g_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, gate_stride_t, gate_stride_h, heads, dim,
                     eps, out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * dim + cols[None, :], y, mask=ok)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _gated_group_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, g_ptr, gate_stride_t,
+                             gate_stride_h, w_ptr, NORM_BEFORE_GATE: tl.constexpr, ROWS: tl.constexpr,
+                             BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Mamba2's gated RMSNorm per group (`mamba2.reference.gated_group_rms_norm`): row r is group r % heads of token
+    r // heads (heads: the groups, dim: the group size, the weight [heads * dim]); fp32 throughout, rounded once."""
+    pdl.start(PDL)
+    rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
+    x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
+    gate = _load_rows(g_ptr, rows, gate_stride_t, gate_stride_h, heads, cols, ok)
+    silu = gate * tl.sigmoid(gate)
+    if not NORM_BEFORE_GATE:
+        x = x * silu
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / dim + eps)
+    w = tl.load(w_ptr + (rows % heads)[:, None] * dim + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    y = w * (x * rstd[:, None])
+    if NORM_BEFORE_GATE:
+        y = y * silu
+    tl.store(out_ptr + rows[:, None] * dim + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -269,6 +292,30 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         raise ValueError(f"gated_rms_norm: gate {tuple(gate.shape)} and x {tuple(x.shape)} differ")
     gates, gate_stride_t, gate_stride_h, _ = _rows(gate)  # same shape, so the same row -> (t, h) split
     return _launch(_gated_rms_norm_kernel, x, eps, gates, gate_stride_t, gate_stride_h, weight)
+
+
+def gated_group_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
+                         norm_before_gate: bool = False) -> torch.Tensor:
+    """Mamba2's gated RMSNorm over groups of `group_size` channels in one launch: x, gate [T, I] (any row strides,
+    unit channel stride: gate is a column view of in_proj's output), weight [I] -> contiguous [T, I] in gate's
+    dtype, `mamba2.reference.gated_group_rms_norm`'s math (fp32, rounded once)."""
+    if x.dim() != 2 or gate.shape != x.shape or x.shape[-1] % group_size or tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"gated_group_rms_norm: x and gate [T, I] with I a multiple of group_size {group_size} and "
+                         f"weight [I] needed, got {list(x.shape)}, {list(gate.shape)}, {list(weight.shape)}")
+    tokens, width = x.shape
+    groups = width // group_size
+    xs, stride_t, stride_h, _ = _rows(x.unflatten(-1, (groups, group_size)))
+    gates, gate_stride_t, gate_stride_h, _ = _rows(gate.unflatten(-1, (groups, group_size)))
+    out = torch.empty((tokens, width), dtype=gate.dtype, device=x.device)
+    num_rows = tokens * groups
+    if num_rows:
+        block = triton.next_power_of_2(group_size)
+        per_program = max(1, _ELEMENTS_PER_PROGRAM // block)
+        _gated_group_norm_kernel[(triton.cdiv(num_rows, per_program),)](
+            xs, out, num_rows, stride_t, stride_h, groups, group_size, eps, gates, gate_stride_t, gate_stride_h,
+            weight, norm_before_gate, ROWS=per_program, BLOCK=block, num_warps=_num_warps(per_program, block),
+            **pdl.options(x))
+    return out
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
