@@ -82,6 +82,7 @@ from hybridcache.kernels.gemm.triton_fp8_moe import compile_tiles as compile_fp8
 from hybridcache.kernels.mamba1 import triton as mamba1_triton
 from hybridcache.kernels.mamba2 import fla as mamba2_fla
 from hybridcache.kernels.mamba2 import reference as mamba2_ref
+from hybridcache.kernels.mamba2 import triton_step as mamba2_step
 from hybridcache.kernels.moe import reference as moe_ref
 from hybridcache.kernels.moe import triton_route
 from hybridcache.kernels.moe.grouped import ExpertWeights, compile_tiles, grouped_experts
@@ -429,13 +430,16 @@ class CudaBackend(SharedOps):
                          "runs on CUDA only)")
         if not meta.all_decode and (batch.draft_rows is not None or not fla):
             return mamba2_scan(x, dt, B, C, A_log, dt_bias, D, ssm_layer, batch, dt_limit=dt_limit, decode=None)
+        if meta.all_decode and fla:
+            return mamba2_step.ssd_step_update(x, dt, dt_bias, A_log, B, C, D, ssm_layer, batch.state_slots,
+                                               batch.context_lens, dt_limit=dt_limit)
+        if meta.lead is not None:
+            return mamba2_fla.mixed_ssd_scan(x, dt, dt_bias, A_log, B, C, D, ssm_layer, batch.state_slots,
+                                             batch.context_lens, meta.lead, dt_limit=dt_limit)
         A = -torch.exp(A_log.float())  # noqa: N806
         steps = mamba2_ref.discretized_dt(dt, dt_bias, dt_limit)
-        if meta.all_decode:
+        if meta.all_decode:  # (CPU tensors: the torch step)
             return mamba2_fla.ssd_decode(x, steps, A, B, C, D, ssm_layer, batch.state_slots, batch.context_lens)
-        if meta.lead is not None:
-            return mamba2_fla.mixed_ssd_scan(x, steps, A, B, C, D, ssm_layer, batch.state_slots, batch.context_lens,
-                                             meta.lead)
         return mamba2_fla.ssd_chunk_scan_varlen(
             x, steps, A, B, C, D, ssm_layer, batch.state_slots, meta.cu_seqlens, batch.context_lens,
             batch.query_lens_cpu, chunk_indices=meta.chunks, fresh=meta.fresh, context_lens_cpu=batch.context_lens_cpu,

@@ -1,13 +1,14 @@
-"""Mamba2's one-launch decode step (`kernels/mamba2/triton_step.ssd_step_update`) against `reference.ssd_step` on the
-gathered rows: y, the state rows it rewrites in place (fp32 and bf16 pools), the other rows untouched, fresh sequences
-(context_len 1) started from zeros whatever their row holds, x / B / C read as the strided column views the layer
-passes, a head dim that is not a multiple of the kernel's row block, groups shared by several heads, and `out` a
-slice of a wider buffer (a mixed step's leading decode rows).
+"""Mamba2's one-launch decode step (`kernels/mamba2/triton_step.ssd_step_update`) against `reference.discretized_dt`
+and `reference.ssd_step` on the gathered rows: dt from in_proj's raw output (softplus past its threshold and far below
+0; clamped to a limit or not), y, the state rows it rewrites in place (fp32 and bf16 pools), the other rows untouched,
+fresh sequences (context_len 1) started from zeros whatever their row holds (NaN here), x / B / C / dt read as the
+strided column views of one projection row the layer passes, a head dim that is not a multiple of the kernel's row
+block, groups shared by several heads, and `out` a slice of a wider buffer (a mixed step's leading decode rows).
 
 `test_interpreted_*`: under TRITON_INTERPRET=1 in a child process (`tests/kernels/interpreter.py`), fp32 and bf16
 pools (bf16 stores: the interpreter truncates where the GPU rounds, so bf16 rows are compared within two bf16 steps).
 `test_cuda_*`: on the GPU at the served models' widths. Tolerances: fp32 1e-5 relative (another summation order for
-S C), bf16 pools one bf16 step of the rewritten rows.
+S C; softplus to a few ulps), bf16 pools one bf16 step of the rewritten rows.
 """
 
 from __future__ import annotations
@@ -24,32 +25,40 @@ POOLS = pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], i
 
 
 def check_step(device: str, heads: int, head_dim: int, groups: int, state: int, pool_dtype: torch.dtype,
-               contexts: tuple[int, ...] = (40, 1, 7, 300, 2), seed: int = 0) -> None:
+               dt_limit: tuple[float, float] = (0.0, float("inf")), contexts: tuple[int, ...] = (40, 1, 7, 300, 2),
+               seed: int = 0) -> None:
     from hybridcache.kernels.mamba2.triton_step import ssd_step_update
 
     gen = torch.Generator().manual_seed(seed)
     num = len(contexts)
     slots = torch.randperm(2 * num + 1, generator=gen)[:num]
-    width = heads * head_dim + 2 * groups * state + 8  # one projection row: x | B | C | more columns
+    width = heads * head_dim + 2 * groups * state + heads  # one projection row: x | B | C | dt
     row = torch.randn(num, width, generator=gen)
     x = row[:, : heads * head_dim].view(num, heads, head_dim)
     B = row[:, heads * head_dim : heads * head_dim + groups * state].view(num, groups, state)  # noqa: N806
-    C = row[:, heads * head_dim + groups * state : -8].view(num, groups, state)  # noqa: N806
-    dt = torch.nn.functional.softplus(torch.randn(num, heads, generator=gen) - 1.0)
-    A = -torch.exp(torch.randn(heads, generator=gen))  # noqa: N806
+    C = row[:, heads * head_dim + groups * state : -heads].view(num, groups, state)  # noqa: N806
+    dt = 4 * row[:, -heads:]  # raw: softplus's both branches and its far negative tail (dt_bias shifts some past 20)
+    dt_bias = torch.randn(heads, generator=gen)
+    dt_bias[0] = 25.0
+    A_log = torch.randn(heads, generator=gen)  # noqa: N806
     D = torch.randn(heads, generator=gen)  # noqa: N806
     pool = (0.5 * torch.randn(2 * num + 1, heads, head_dim, state, generator=gen)).to(pool_dtype)
     ctx = torch.tensor(contexts, dtype=torch.int32)
     pool[slots[ctx == 1]] = float("nan")  # a fresh sequence's row holds garbage it must not read
     before = pool.clone()
     start = before[slots].float().masked_fill((ctx == 1)[:, None, None, None], 0.0)
-    want_y, want_state = mamba2_ref.ssd_step(x, dt, A, B, C, D, start)
+    steps = mamba2_ref.discretized_dt(dt, dt_bias, dt_limit)
+    want_y, want_state = mamba2_ref.ssd_step(x, steps, -torch.exp(A_log), B, C, D, start)
 
     dev = torch.device(device)
     pool_d = pool.to(dev)
     wide = torch.full((num + 2, heads, head_dim), float("nan"), device=dev)
-    y = ssd_step_update(x.to(dev), dt.to(dev), A.to(dev), B.to(dev), C.to(dev), D.to(dev), pool_d,
-                        slots.to(dev), ctx.to(dev), out=wide[1 : num + 1])
+    row_d = row.to(dev)  # x, B, C and dt as the strided views of one row the layer passes
+    x_d = row_d[:, : heads * head_dim].view(num, heads, head_dim)
+    B_d = row_d[:, heads * head_dim : heads * head_dim + groups * state].view(num, groups, state)  # noqa: N806
+    C_d = row_d[:, heads * head_dim + groups * state : -heads].view(num, groups, state)  # noqa: N806
+    y = ssd_step_update(x_d, 4 * row_d[:, -heads:], dt_bias.to(dev), A_log.to(dev), B_d, C_d, D.to(dev), pool_d,
+                        slots.to(dev), ctx.to(dev), dt_limit=dt_limit, out=wide[1 : num + 1])
     assert y.data_ptr() == wide[1].data_ptr()
     assert wide[0].isnan().all() and wide[-1].isnan().all()  # nothing written past `out`
     torch.testing.assert_close(y.cpu(), want_y, rtol=1e-5, atol=1e-5)
@@ -76,12 +85,18 @@ def test_interpreted_step_equals_the_reference(heads, head_dim, groups, state, p
     check_step("cpu", heads, head_dim, groups, state, pool_dtype)
 
 
+@needs_interpreter
+def test_interpreted_step_clamps_dt_to_its_limit() -> None:
+    check_step("cpu", 8, 24, 2, 32, torch.float32, dt_limit=(0.01, 0.5))
+
+
 @needs_cuda
 @POOLS
 @pytest.mark.parametrize(("heads", "head_dim", "groups", "state"), [(128, 80, 8, 128), (48, 64, 1, 128)],
                          ids=["nemotron-h-9b", "granite-4h-tiny"])
 def test_cuda_step_equals_the_reference(heads, head_dim, groups, state, pool_dtype) -> None:
     check_step("cuda", heads, head_dim, groups, state, pool_dtype)
+    check_step("cuda", heads, head_dim, groups, state, pool_dtype, dt_limit=(0.01, 0.5))
 
 
 def test_step_compiles_for_hopper() -> None:
@@ -91,11 +106,12 @@ def test_step_compiles_for_hopper() -> None:
     from tests.kernels.hopper import compile_for_hopper
 
     pointers = {p.name: "*bf16" for p in _ssd_step_kernel.params if p.name.endswith("_ptr")}
-    pointers.update(dt_ptr="*fp32", a_ptr="*fp32", pool_ptr="*fp32", out_ptr="*fp32", slots_ptr="*i64",
-                    ctx_ptr="*i32")
-    ints = [p.name for p in _ssd_step_kernel.params if not p.name.endswith("_ptr") and not p.is_constexpr]
+    pointers.update(pool_ptr="*fp32", out_ptr="*fp32", slots_ptr="*i64", ctx_ptr="*i32")
+    floats = ("dt_low", "dt_high")
+    ints = [p.name for p in _ssd_step_kernel.params
+            if not p.name.endswith("_ptr") and not p.is_constexpr and p.name not in floats]
     ptx = compile_for_hopper(_ssd_step_kernel, pointers, ints,
-                             dict(HEADS_PER_GROUP=16, BLOCK_P=16, BLOCK_N=128)).asm["ptx"]
+                             dict(HEADS_PER_GROUP=16, CLAMP=False, BLOCK_P=16, BLOCK_N=128), floats=floats).asm["ptx"]
     assert "ex2" in ptx  # the decay's exponential
     assert ptx.count("st.global") >= 1
 
@@ -105,5 +121,6 @@ def test_step_refuses_a_pool_of_another_shape() -> None:
 
     x = torch.zeros(2, 4, 16)
     with pytest.raises(ValueError, match="ssd_step_update"):
-        ssd_step_update(x, torch.zeros(2, 4), torch.zeros(4), torch.zeros(2, 1, 8), torch.zeros(2, 1, 8),
-                        torch.zeros(4), torch.zeros(5, 4, 16, 16), torch.arange(2), torch.ones(2, dtype=torch.int32))
+        ssd_step_update(x, torch.zeros(2, 4), torch.zeros(4), torch.zeros(4), torch.zeros(2, 1, 8),
+                        torch.zeros(2, 1, 8), torch.zeros(4), torch.zeros(5, 4, 16, 16), torch.arange(2),
+                        torch.ones(2, dtype=torch.int32), dt_limit=(0.0, float("inf")))

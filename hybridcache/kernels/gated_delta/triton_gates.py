@@ -18,17 +18,21 @@ _BLOCK_T = 32
 
 
 @triton.jit
+def softplus(x):
+    """torch's softplus of fp32 x (module docstring): x above 20, else log1p(exp(x)) to a few ulps."""
+    y = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * y / (u - 1.0))
+    return tl.where(x > 20.0, x, log1p)
+
+
+@triton.jit
 def gate_values(a, b, a_log, dt_bias):
     """The gates from fp32 a, b, A_log, dt_bias (blocks or scalars that broadcast): (g, beta) in fp32, beta not yet
     rounded. Shared by `_delta_gates_kernel` and the decode step kernel (`triton_step.py`, which fuses the gates),
     so both give the same bits."""
-    x = a + dt_bias
-    y = tl.exp(tl.minimum(x, 20.0))
-    u = 1.0 + y
-    log1p = tl.where(u == 1.0, y, tl.log(u) * y / (u - 1.0))
-    softplus = tl.where(x > 20.0, x, log1p)
     decay = -tl.exp(a_log)
-    return decay * softplus, 1.0 / (1.0 + tl.exp(-b))
+    return decay * softplus(a + dt_bias), 1.0 / (1.0 + tl.exp(-b))
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # the step's token count: one compiled variant for all

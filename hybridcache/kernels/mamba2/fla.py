@@ -1,6 +1,6 @@
 """Mamba2's selective state space scan (SSD) on CUDA over a whole varlen batch: flash-linear-attention's chunked
-simple-GLA kernels for prefill chunks, `reference.ssd_step`'s math for decode rows (`ssd_decode`: one Triton launch,
-`triton_step.py`, on CUDA).
+simple-GLA kernels for prefill chunks; decode rows through `triton_step.py` (one launch; `ssd_decode`, the torch step,
+for CPU tensors).
 
 Per head, Mamba2's recurrence (`reference.py`) is fla's simple GLA, a scalar log decay per token and head::
 
@@ -183,14 +183,8 @@ def ssd_decode(
 ) -> torch.Tensor:
     """One token of each of M sequences through `reference.ssd_step`, on the device only (graph-safe): state rows
     ssm_pool[state_slots], fresh rows (context_len 1) read as zeros, the new states written back. x [M, H, P];
-    dt [M, H] discretized; B, C [M, G, N]. Returns y [M, H, P] fp32, written into `out` when given. Where `runs_on`
-    (CUDA) one Triton launch that updates the rows in place (`triton_step.ssd_step_update`); elsewhere torch's
-    ops (the gather, the step over whole tensors, the scatter)."""
-    if runs_on(x):
-        from hybridcache.kernels.mamba2 import triton_step
-
-        return triton_step.ssd_step_update(x, dt.contiguous(), A.contiguous(), B, C, D, ssm_pool, state_slots,
-                                           context_lens, out=out)
+    dt [M, H] discretized; B, C [M, G, N]. Returns y [M, H, P] fp32, written into `out` when given. The torch
+    step of CPU tensors (CUDA runs `triton_step.ssd_step_update`: one launch, the rows updated in place)."""
     state = ssm_pool.index_select(0, state_slots)
     state = torch.where((context_lens == 1)[:, None, None, None], torch.zeros_like(state), state)
     y, state = mamba2_ref.ssd_step(x, dt, A, B, C, D, state)
@@ -204,7 +198,8 @@ def ssd_decode(
 def mixed_ssd_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,  # noqa: N803
+    dt_bias: torch.Tensor,
+    A_log: torch.Tensor,  # noqa: N803
     B: torch.Tensor,  # noqa: N803
     C: torch.Tensor,  # noqa: N803
     D: torch.Tensor,  # noqa: N803
@@ -212,12 +207,20 @@ def mixed_ssd_scan(
     state_slots: torch.Tensor,
     context_lens: torch.Tensor,
     lead: LeadingDecodes,
+    *,
+    dt_limit: tuple[float, float],
 ) -> torch.Tensor:
-    """A mixed step with `lead.count` leading decode rows: fla over every row, the decode rows as one throwaway
-    sequence, then `ssd_decode` writes their real outputs over its rows and updates their state rows. Same contract
-    and result as `ssd_chunk_scan_varlen` over the step (to fp32 rounding)."""
-    out = ssd_chunk_scan_varlen(x, dt, A, B, C, D, ssm_pool, lead.slots, lead.cu_seqlens, context_lens,
+    """A mixed step with `lead.count` leading decode rows (dt: in_proj's raw output): fla over every row, the decode
+    rows as one throwaway sequence, then the step launch (`triton_step.ssd_step_update`) writes their real outputs
+    over its rows and updates their state rows. Same contract and result as `ssd_chunk_scan_varlen` over the step
+    (to fp32 rounding)."""
+    from hybridcache.kernels.mamba2 import triton_step
+
+    A = -torch.exp(A_log.float())  # noqa: N806
+    steps = mamba2_ref.discretized_dt(dt, dt_bias, dt_limit)
+    out = ssd_chunk_scan_varlen(x, steps, A, B, C, D, ssm_pool, lead.slots, lead.cu_seqlens, context_lens,
                                 lead.query_lens_cpu, chunk_indices=lead.chunks, fresh=lead.fresh, drop_first=True)
     d = lead.count
-    ssd_decode(x[:d], dt[:d], A, B[:d], C[:d], D, ssm_pool, state_slots[:d], context_lens[:d], out=out[:d])
+    triton_step.ssd_step_update(x[:d], dt[:d], dt_bias, A_log, B[:d], C[:d], D, ssm_pool, state_slots[:d],
+                                context_lens[:d], dt_limit=dt_limit, out=out[:d])
     return out
