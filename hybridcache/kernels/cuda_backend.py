@@ -414,8 +414,9 @@ class CudaBackend(SharedOps):
         A_log: torch.Tensor, dt_bias: torch.Tensor, D: torch.Tensor, ssm_layer: torch.Tensor,  # noqa: N803
         batch: ForwardBatch, *, dt_limit: tuple[float, float],
     ) -> torch.Tensor:
-        """All-decode: `mamba2/fla.ssd_decode`, one Triton launch over every row (`triton_step.py`), slots and fresh
-        rows (context_len 1) read on the device (no host sync: a decode graph may capture it). A step with prefill rows
+        """All-decode: one Triton launch over every row (`mamba2/triton_step.py`; CPU tensors: `fla.ssd_decode`, the
+        torch step), slots and fresh rows (context_len 1) read on the device (no host sync: a decode graph may capture
+        it). A step with prefill rows
         on CUDA: fla's chunked simple-GLA kernels (`mamba2/fla.py`) over every sequence, a mixed step's leading
         decode rows in the step (`mixed_ssd_scan`, the DeltaNet layers' `LeadingDecodes`); its lengths, freshness
         and slots are read on the device and the rows past cu_seqlens[-1] left unwritten, so a whole-step graph
