@@ -3,7 +3,7 @@ updated in place in the pool, in one launch (`reference.ssd_step`'s math, with `
 
 The torch step (`fla.ssd_decode`) discretizes dt and makes A in about seven small launches, gathers the rows
 (`index_select`), zeroes the fresh ones, computes decay * S + dt x B^T and S C in fp32 over whole [M, H, P, N]
-tensors, then scatters them back: about seven passes over the states where the step needs one read and one write.
+tensors, then scatters them back: about fifteen state-sized reads and writes where the step needs two.
 Here a program owns BLOCK_P rows of one head's [P, N] state of one sequence::
 
     grid (M sequences, H heads, cdiv(P, BLOCK_P))          head h reads B and C of its group g = h // (H / G)
