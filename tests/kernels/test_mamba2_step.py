@@ -90,6 +90,20 @@ def test_interpreted_step_clamps_dt_to_its_limit() -> None:
     check_step("cpu", 8, 24, 2, 32, torch.float32, dt_limit=(0.01, 0.5))
 
 
+@needs_interpreter
+def test_interpreted_backend_decode_step_matches_the_reference(monkeypatch) -> None:
+    """`CudaBackend.ssd_scan` of an all-decode step from the engine's batch (a fresh one-token prompt among the rows)
+    through the step launch, raw dt and A_log in: `ReferenceBackend.ssd_scan`'s outputs and every slot, both without
+    and with a dt limit."""
+    from hybridcache.kernels.attention.reference_backend import ReferenceAttention
+    from hybridcache.kernels.cuda_backend import CudaBackend
+    from hybridcache.kernels.mamba2 import fla as mamba2_fla
+    from tests.kernels.test_mamba2_cuda import DECODE, compare_scans
+
+    monkeypatch.setattr(mamba2_fla, "runs_on", lambda x: True)
+    compare_scans(CudaBackend(ReferenceAttention()), "cpu", torch.float32, DECODE, {"rtol": 1e-5, "atol": 1e-5})
+
+
 @needs_cuda
 @POOLS
 @pytest.mark.parametrize(("heads", "head_dim", "groups", "state"), [(128, 80, 8, 128), (48, 64, 1, 128)],
