@@ -178,21 +178,16 @@ def ssd_decode(
     ssm_pool: torch.Tensor,
     state_slots: torch.Tensor,
     context_lens: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token of each of M sequences through `reference.ssd_step`, on the device only (graph-safe): state rows
     ssm_pool[state_slots], fresh rows (context_len 1) read as zeros, the new states written back. x [M, H, P];
-    dt [M, H] discretized; B, C [M, G, N]. Returns y [M, H, P] fp32, written into `out` when given. The torch
-    step of CPU tensors (CUDA runs `triton_step.ssd_step_update`: one launch, the rows updated in place)."""
+    dt [M, H] discretized; B, C [M, G, N]. Returns y [M, H, P] fp32. The torch step of CPU tensors (CUDA runs
+    `triton_step.ssd_step_update`: one launch, the rows updated in place)."""
     state = ssm_pool.index_select(0, state_slots)
     state = torch.where((context_lens == 1)[:, None, None, None], torch.zeros_like(state), state)
     y, state = mamba2_ref.ssd_step(x, dt, A, B, C, D, state)
     ssm_pool.index_copy_(0, state_slots, state.to(ssm_pool.dtype))
-    if out is None:
-        return y
-    out.copy_(y)
-    return out
+    return y
 
 
 def mixed_ssd_scan(

@@ -87,7 +87,7 @@ def ssd_step_update(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A_
             x, dt, dt_bias, A_log, B, C, D, ssm_pool, state_slots, context_lens, out,
             x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
             ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2), out.stride(0), out.stride(1), head_dim,
-            state_size, float(low), float(high) if high != float("inf") else 3.0e38,
+            state_size, float(low), float(high),
             HEADS_PER_GROUP=heads // groups, CLAMP=low > 0.0 or high != float("inf"), BLOCK_P=_BLOCK_P,
             BLOCK_N=triton.next_power_of_2(state_size), **pdl.options(x))
     return out
