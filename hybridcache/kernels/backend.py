@@ -305,6 +305,11 @@ class KernelBackend(Protocol):
         routed + sigmoid(gate) * shared [N, H], each op's result rounded to the dtype as torch rounds it."""
         ...
 
+    def relu_square(self, x: torch.Tensor) -> torch.Tensor:
+        """The ungated relu^2 MLP's hidden activation (Nemotron-H): x [N, I] -> relu(x)^2 [N, I], rounded once to x's
+        dtype as torch's square rounds it."""
+        ...
+
     def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """The gated attention's output gate: x, gate [T, H, D] (head views allowed) -> x * sigmoid(gate),
         contiguous [T, H, D], each op's result rounded to the dtype as torch rounds it."""
@@ -616,6 +621,7 @@ class ReferenceBackend(SharedOps):
     silu_mul = staticmethod(activation_ref.silu_mul)
     sigmoid_gate_add = staticmethod(activation_ref.sigmoid_gate_add)
     sigmoid_mul = staticmethod(activation_ref.sigmoid_mul)
+    relu_square = staticmethod(activation_ref.relu_square)
     rotary = staticmethod(rotary_ref.rotary)
     norm_rotary = staticmethod(rotary_ref.norm_rotary)
 

@@ -36,6 +36,7 @@
 | sigmoid_mul      | one Triton launch: the attention output gate, reading the strided gate in place (`activation/`)|
 | silu_mul         | one Triton launch each: the MLP's silu(gate) * up and the MoE block's routed + sigmoid(gate) * |
 | sigmoid_gate_add | shared (`activation/triton.py`)                                                                |
+| relu_square      | one Triton launch: the ungated relu^2 MLP's hidden activation (`activation/triton.py`)         |
 
 `prepare` reads only host values the batch carries (`query_lens_cpu`, `context_lens_cpu`) and attaches
 `CudaMetadata`: whether the step is all-decode, the longest context, int64 cu_seqlens for fla, the (sequence,
@@ -538,5 +539,6 @@ class CudaBackend(SharedOps):
     silu_mul = staticmethod(triton_activation.silu_mul)
     sigmoid_gate_add = staticmethod(triton_activation.sigmoid_gate_add)
     sigmoid_mul = staticmethod(triton_activation.sigmoid_mul)
+    relu_square = staticmethod(triton_activation.relu_square)
     rotary = staticmethod(triton_rotary.rotary)
     norm_rotary = staticmethod(triton_rotary.norm_rotary)

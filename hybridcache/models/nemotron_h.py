@@ -72,11 +72,12 @@ class ReluSquaredMLP(nn.Module):
         return RecurrentSpec(tensors=())
 
     def forward(self, x: torch.Tensor, step: StepContext, state: LayerState) -> torch.Tensor:
-        del step, state
-        return self.mlp(x)
+        del state
+        return self.mlp(x, step.backend)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return module_linear(self.down_proj, torch.square(F.relu(module_linear(self.up_proj, x))))
+    def mlp(self, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
+        """down_proj(relu(up_proj(x))^2), the activation one backend op (one launch on CUDA)."""
+        return module_linear(self.down_proj, backend.relu_square(module_linear(self.up_proj, x)))
 
 
 class GroupedTopKRouter(nn.Module):
@@ -139,7 +140,7 @@ class NemotronHMoE(nn.Module):
         routed = step.backend.moe(latent, top_weights, top_ids, self.experts, activation="relu2")
         if self.fc2_latent_proj is not None:
             routed = module_linear(self.fc2_latent_proj, routed)
-        return routed + self.shared_experts.mlp(x)
+        return routed + self.shared_experts.mlp(x, step.backend)
 
 
 class NemotronHBlock(nn.Module):

@@ -7,7 +7,7 @@ partial column blocks (one and two programs per row).
   formula differs from torch's). bf16: the kernels round where torch rounds, so an element may differ from torch's
   by one bf16 step (2^-8 relative) where an fp32 intermediate falls near a rounding boundary: silu_mul rtol 2^-7;
   sigmoid_gate_add rounds three times (sigmoid, product, sum), whose terms may cancel: 2^-6 of
-  |routed| + |sigmoid(gate) * shared| per element.
+  |routed| + |sigmoid(gate) * shared| per element. relu_square rounds once, as torch does: equal bit for bit.
 - `test_interpreted_*`: the same kernels on the CPU under TRITON_INTERPRET=1, in a child process
   (`test_activation_kernels_in_a_triton_interpreter_subprocess`); the interpreter truncates to bf16 rather than
   rounding, so every bf16 bound is doubled there.
@@ -57,6 +57,27 @@ def check_sigmoid_gate_add(rows: int, width: int, dtype: torch.dtype, device: st
     assert ((got.float() - want.float()).abs() <= rtol * scale).all(), (got - want).abs().max()
 
 
+def check_relu_square(rows: int, width: int, dtype: torch.dtype, device: str, rtol: float) -> None:
+    from hybridcache.kernels.activation import triton as fused
+
+    _, x = fused_outputs(rows, [7, width], dtype, device, seed=rows * width)  # a column view, as up_proj's never is
+    assert (x < 0).any() and (x > 0).any()
+    got = fused.relu_square(x)
+    assert got.is_contiguous() and got.dtype == dtype and got.shape == x.shape
+    want = reference.relu_square(x)
+    if rtol == 0:
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    else:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=0)
+
+
+@needs_cuda
+@DTYPES
+@SHAPES
+def test_cuda_relu_square(rows: int, width: int, dtype: torch.dtype) -> None:
+    check_relu_square(rows, width, dtype, "cuda", 0)
+
+
 @needs_cuda
 @DTYPES
 @SHAPES
@@ -79,6 +100,9 @@ def test_cuda_empty_and_wrong_shapes() -> None:
     assert fused.silu_mul(empty, empty).shape == (0, 64)
     with pytest.raises(ValueError, match=r"up must be \[4, 8\]"):
         fused.silu_mul(torch.zeros(4, 8, device="cuda"), torch.zeros(4, 9, device="cuda"))
+    assert fused.relu_square(empty).shape == (0, 64)
+    with pytest.raises(ValueError, match=r"x must be \[N, I\]"):
+        fused.relu_square(torch.zeros(2, 4, 8, device="cuda"))
     with pytest.raises(ValueError, match=r"gate must be \[4, 1\]"):
         fused.sigmoid_gate_add(torch.zeros(4, 8, device="cuda"), torch.zeros(4, 2, device="cuda"),
                                torch.zeros(4, 8, device="cuda"))
@@ -101,3 +125,10 @@ def test_interpreted_silu_mul(rows: int, width: int, dtype: torch.dtype) -> None
 @SHAPES
 def test_interpreted_sigmoid_gate_add(rows: int, width: int, dtype: torch.dtype) -> None:
     check_sigmoid_gate_add(rows, width, dtype, "cpu", 4 * ULP[dtype])
+
+
+@needs_interpreter
+@DTYPES
+@SHAPES
+def test_interpreted_relu_square(rows: int, width: int, dtype: torch.dtype) -> None:
+    check_relu_square(rows, width, dtype, "cpu", 2 * ULP[dtype])

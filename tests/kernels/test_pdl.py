@@ -26,6 +26,7 @@ KERNELS = {
     "l2norm": (norm._l2norm_kernel, {}, ("eps",), dict(ROWS=16, BLOCK=128)),
     "silu_mul": (activation._silu_mul_kernel, {}, (), dict(BLOCK=512)),
     "sigmoid_gate_add": (activation._sigmoid_gate_add_kernel, {}, (), dict(BLOCK=1024)),
+    "relu_square": (activation._relu_square_kernel, {}, (), dict(BLOCK=1024)),
     "rotary": (rotary._rotary_kernel, {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}, (),
                dict(HALF=32, DIM=256, BLOCK_H=16, BLOCK_D=256)),
     "route": (triton_route._route_kernel, {"ids_ptr": "*i64"}, (),

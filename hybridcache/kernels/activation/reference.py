@@ -5,6 +5,7 @@
   its routed experts and its gated shared expert (three kernels in torch).
 - `sigmoid_mul(x, gate)`: x * sigmoid(gate), the gated attention's output gate (with the copy of the strided gate,
   three kernels in torch).
+- `relu_square(x)`: relu(x)^2, the ungated relu^2 MLP's hidden activation (Nemotron-H; two kernels in torch).
 
 Each torch op rounds its result to the inputs' dtype, so in bf16 silu(gate) and sigmoid(gate) * shared are
 rounded before the next op; the fused kernels round at the same points.
@@ -29,3 +30,8 @@ def sigmoid_gate_add(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Ten
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x, gate [T, H, D] (same dtype) -> x * sigmoid(gate), contiguous [T, H, D]."""
     return (x * torch.sigmoid(gate)).contiguous()
+
+
+def relu_square(x: torch.Tensor) -> torch.Tensor:
+    """x [N, I] -> relu(x)^2 [N, I] (relu is exact; the square rounds once)."""
+    return torch.square(F.relu(x))

@@ -5,6 +5,7 @@ dtype where torch rounds it (no-ops in fp32), the arithmetic in between is fp32.
 - `silu_mul(gate, up)`:                      s = round(g * sigmoid(g));  out = round(s * up)
 - `sigmoid_gate_add(routed, gate, shared)`:  w = round(sigmoid(gate));   p = round(w * shared);  out = round(routed + p)
 - `sigmoid_mul(x, gate)` (the gated attention's output gate, per head):  w = round(sigmoid(gate));  out = round(x * w)
+- `relu_square(x)` (the ungated relu^2 MLP):   out = round(max(x, 0)^2)  (bit-identical to torch's square of relu)
 
 Inputs are read in place when their columns are contiguous: gate and up are column views of one fused
 projection's output (`layers/fused.py`), so their rows sit `row_stride` elements apart; the [N, 1] gate of
@@ -69,6 +70,16 @@ def _sigmoid_mul_kernel(x_ptr, gate_ptr, out_ptr, num_heads, dim, stride_xt, str
     tl.store(dest, (x.to(tl.float32) * w).to(dtype), mask=ok)
 
 
+@triton.jit
+def _relu_square_kernel(x_ptr, out_ptr, width, x_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    x = tl.maximum(tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0).to(tl.float32), 0.0)
+    tl.store(out_ptr + row * width + cols, (x * x).to(out_ptr.dtype.element_ty), mask=ok)
+
+
 def _rows(x: torch.Tensor, name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """x as a 2-D [N, W] tensor with unit-stride columns (copied only when its columns are strided)."""
     if x.dim() != 2 or tuple(x.shape) != shape or x.dtype != dtype:
@@ -104,6 +115,19 @@ def sigmoid_gate_add(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Ten
         grid, block = _grid(num_rows, width)
         _sigmoid_gate_add_kernel[grid](routed, gate, shared, out, width, routed.stride(0), gate.stride(0),
                                        shared.stride(0), BLOCK=block, **pdl.options(out))
+    return out
+
+
+def relu_square(x: torch.Tensor) -> torch.Tensor:
+    """x [N, I] -> relu(x)^2, contiguous [N, I] in x's dtype (module docstring)."""
+    if x.dim() != 2:
+        raise ValueError(f"relu_square: x must be [N, I], got {list(x.shape)}")
+    x = _rows(x, "x", tuple(x.shape), x.dtype)
+    num_rows, width = x.shape
+    out = torch.empty((num_rows, width), dtype=x.dtype, device=x.device)
+    if num_rows and width:
+        grid, block = _grid(num_rows, width)
+        _relu_square_kernel[grid](x, out, width, x.stride(0), BLOCK=block, **pdl.options(out))
     return out
 
 
