@@ -150,3 +150,24 @@ def module_swiglu_linear(module: nn.Module, gate: torch.Tensor, up: torch.Tensor
     if type(module) is nn.Linear:
         return kernel_backend.dense_swiglu_linear(gate, up, module.weight, module.bias, backend.silu_mul)
     return module(backend.silu_mul(gate, up))
+
+
+@torch.no_grad()
+def scale_linear_(linear: nn.Linear, weight: float | torch.Tensor, bias: float | torch.Tensor | None = None) -> None:
+    """Fold constant scales into a dense linear, in place: its weight's rows times `weight` (a scalar, or one per
+    output row) and its bias times `bias` (default: `weight`), each product in fp32, rounded once to the dtype.
+
+        y = m * linear(a * x)   ->   scale_linear_(linear, m * a, m)      (an input scale leaves the bias)
+
+    For a family's constant multipliers (Falcon-H1's muP), so that the forward applies none of them."""
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"scale_linear_ folds scales into a dense nn.Linear, not {type(linear).__name__}")
+    bias = weight if bias is None else bias
+    for param, scale in ((linear.weight, weight), (linear.bias, bias)):
+        if param is None:
+            continue
+        if isinstance(scale, torch.Tensor):
+            scale = scale.to(device=param.device, dtype=torch.float32).reshape(-1, *([1] * (param.dim() - 1)))
+        elif scale == 1.0:
+            continue
+        param.copy_(param.float() * scale)

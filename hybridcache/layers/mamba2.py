@@ -11,9 +11,9 @@ I = Hm * Pm channels (Hm heads of Pm), G groups and state size N::
     out = out_proj(weight * group_rms_norm(y * silu(z)))             the gate before the norm, G norm groups
 
 Falcon-H1's variant (its `FalconH1Mixer`), by constructor arguments: `in_multipliers` scale z | x | B | C | dt after
-in_proj (its muP vector, `ssm_multipliers`); `norm_before_gate` takes the norm first, weight * group_rms_norm(y) *
-silu(z); `rms_norm` False has no norm at all, out = out_proj(y * silu(z)); `out_proj_bias` (its `projectors_bias`)
-differs from in_proj's.
+in_proj (its muP vector, `ssm_multipliers`), folded into in_proj's rows at load (`fold_multipliers_`);
+`norm_before_gate` takes the norm first, weight * group_rms_norm(y) * silu(z); `rms_norm` False has no norm at all,
+out = out_proj(y * silu(z)); `out_proj_bias` (its `projectors_bias`) differs from in_proj's.
 
 State (`state_spec`): `conv` [num_slots, C, K-1] in the model dtype and `ssm` [num_slots, Hm, Pm, N] in the state
 dtype (transformers' and mamba_ssm's layout of both); sequence i uses row batch.state_slots[i]. A sequence with
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from hybridcache.layers.linear import module_linear
+from hybridcache.layers.linear import module_linear, scale_linear_
 from hybridcache.layers.parallel import UNSHARDED, TensorParallel
 from hybridcache.layers.step import StepContext
 from hybridcache.state_spec import RecurrentSpec, conv_ssm_spec
@@ -62,7 +62,8 @@ class GroupGatedRMSNorm(nn.Module):
 class Mamba2Mixer(nn.Module):
     """Parameter names equal the checkpoints' (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm.weight` unless
     `rms_norm` is False, `out_proj`). Tensor parallelism is not supported yet (`tp.size` 1 only). `in_multipliers`:
-    the five scales of z, x, B, C, dt after in_proj (None: none); `out_proj_bias` None: `proj_bias`."""
+    the five scales of z, x, B, C, dt after in_proj (None: none), folded into in_proj's rows once its weights are
+    loaded (`fold_multipliers_`); `out_proj_bias` None: `proj_bias`."""
 
     def __init__(
         self,
@@ -123,24 +124,22 @@ class Mamba2Mixer(nn.Module):
         """hidden [T, hidden] -> [T, hidden]; state["conv"] [num_slots, C, K-1] and state["ssm"]
         [num_slots, Hm, Pm, N] of this layer are updated in place."""
         projected = module_linear(self.in_proj, hidden)
-        if self.in_multipliers is not None:
-            self._scale_(projected)
         z, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         y = step.core(functools.partial(self._recur, state), xbc, dt)  # [T, Hm, Pm] fp32
         y = y.view(hidden.shape[0], self.intermediate_size)
         y = (y * F.silu(z)).to(z.dtype) if self.norm is None else self.norm(y, z, step)
         return module_linear(self.out_proj, y)
 
-    def _scale_(self, projected: torch.Tensor) -> None:
-        """projected [T, I + C + Hm] (in_proj's own output) scaled in place, column range by column range: z, x, B, C
-        and dt times their `in_multipliers` (Falcon-H1's muP vector: the same products, a scalar per range)."""
+    def fold_multipliers_(self, input_scale: float = 1.0) -> None:
+        """Make in_proj compute in_multipliers * in_proj(input_scale * x) (Falcon-H1's muP: the layer input's
+        `ssm_in_multiplier`, then z, x, B, C and dt each times its scalar, transformers' `mup_vector`): each weight
+        row times input_scale and its range's multiplier, each bias entry times its range's. Once, after the weights
+        are loaded (the model's `after_loading_`); the forward applies no multiplier."""
         group_dim = self.num_groups * self.state_size
         widths = (self.intermediate_size, self.intermediate_size, group_dim, group_dim, self.num_heads)
-        start = 0
-        for width, multiplier in zip(widths, self.in_multipliers, strict=True):
-            if multiplier != 1.0:
-                projected[:, start : start + width].mul_(multiplier)
-            start += width
+        rows = torch.cat([torch.full((width,), float(multiplier))
+                          for width, multiplier in zip(widths, self.in_multipliers or (1.0,) * 5, strict=True)])
+        scale_linear_(self.in_proj, rows * input_scale, rows)
 
     def _recur(self, state: Mapping[str, torch.Tensor], step: StepContext, xbc: torch.Tensor,
                dt: torch.Tensor) -> torch.Tensor:

@@ -50,20 +50,18 @@ from hybridcache.state_spec import AttentionSpec, DevicePools, LayerState
 
 
 class GraniteAttention(nn.Module):
-    """Causal GQA over the paged KV pool: q, k, v projections, the keys times `key_multiplier` (Falcon-H1's), RoPE when
-    `use_rope` (on the channels of the step's cos / sin: the whole head for Granite and Falcon-H1, half of it for
-    Bamba), softmax scale `scale`, o_proj. FP8 KV as `layers.attention.GatedAttention`'s (`kv_dtype`, `k_scale`,
-    `v_scale`, set by the loader: `kv_for_cache`)."""
+    """Causal GQA over the paged KV pool: q, k, v projections, RoPE when `use_rope` (on the channels of the step's cos /
+    sin: the whole head for Granite and Falcon-H1, half of it for Bamba), softmax scale `scale`, o_proj. FP8 KV as
+    `layers.attention.GatedAttention`'s (`kv_dtype`, `k_scale`, `v_scale`, set by the loader: `kv_for_cache`)."""
 
     def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                 scale: float, use_rope: bool, key_multiplier: float = 1.0) -> None:
+                 scale: float, use_rope: bool) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.use_rope = use_rope
-        self.key_multiplier = key_multiplier
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
@@ -74,13 +72,12 @@ class GraniteAttention(nn.Module):
         self.v_scale = 1.0
 
     @classmethod
-    def from_config(cls, config: ModelConfig, *, bias: bool, use_rope: bool,
-                    key_multiplier: float = 1.0) -> GraniteAttention:
+    def from_config(cls, config: ModelConfig, *, bias: bool, use_rope: bool) -> GraniteAttention:
         """The attention of `config` (`config.attention`'s heads, head size and softmax scale), with the family's
-        `bias`, `use_rope` and `key_multiplier` (what its config states or implies)."""
+        `bias` and `use_rope` (what its config states or implies)."""
         a = config.attention
         return cls(config.hidden_size, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-                   bias=bias, scale=a.softmax_scale, use_rope=use_rope, key_multiplier=key_multiplier)
+                   bias=bias, scale=a.softmax_scale, use_rope=use_rope)
 
     @property
     def input_projection(self) -> FusedProjection:
@@ -98,8 +95,6 @@ class GraniteAttention(nn.Module):
         query = query.reshape(num_tokens, self.num_heads, self.head_dim)
         key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.key_multiplier != 1.0:
-            key = key * self.key_multiplier
         if self.use_rope:
             query, key = step.backend.rotary(query, key, *step.rope)
         key, value = kv_for_cache(key, value, self)

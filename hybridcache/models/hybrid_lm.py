@@ -170,6 +170,11 @@ class HybridCausalLM(nn.Module):
         if self.config.tie_word_embeddings and self.tp.size == 1:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def after_loading_(self) -> None:
+        """Called by the loader once every weight is in (`load_model`, `load_weights`; not after a dummy draw, whose
+        random weights stand for loaded ones): a family whose forward reads weights derived from the checkpoint's
+        makes them here, in place. None here; Falcon-H1 folds its muP multipliers into its linears."""
+
     def drops_checkpoint_tensor(self, name: str, shape: tuple[int, ...]) -> bool:
         """True for a checkpoint tensor (its name as written, its shape) this model does without: the loader reads
         nothing from it and does not call it unexpected. None here; a family whose checkpoints hold tensors it

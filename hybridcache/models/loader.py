@@ -409,10 +409,12 @@ def _copy_planned(
     shards: Mapping[str, Shard],
     read: Callable[[str, tuple[int | slice, ...]], torch.Tensor],
 ) -> None:
-    """Copy every planned parameter, reading only its part (`shards`) of its checkpoint tensor."""
+    """Copy every planned parameter, reading only its part (`shards`) of its checkpoint tensor; then the model's
+    `after_loading_`."""
     params = dict(model.named_parameters())
     for target, source in plan.items():
         _copy_one(params[target], shards.get(target), source, read)
+    model.after_loading_()
 
 
 def _copy_one(

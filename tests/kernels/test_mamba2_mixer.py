@@ -89,6 +89,7 @@ def our_mixer(config, layer) -> Mamba2Mixer:
         state_size=config.mamba_d_state, conv_kernel_size=config.mamba_d_conv, conv_bias=config.mamba_conv_bias,
         proj_bias=config.mamba_proj_bias, eps=config.rms_norm_eps, **falcon)
     mixer.load_state_dict(layer.state_dict())
+    mixer.fold_multipliers_()  # (what the model's after_loading_ does)
     return mixer.eval().requires_grad_(False)
 
 
