@@ -63,7 +63,9 @@ workloads sample only the first 259 ids. Only Qwen3-Next and Qwen3.5 folders get
 Shapes not in this repository's tests or transformers' defaults are as recalled from the releases (docs/bench.md).
 `jamba-3b-scaled`: Jamba Reasoning 3B's config is not in this repository; Jamba-v0.1's layer layout at ~3B, dense.
 `falcon-h1-1.5b-deep`: depth, width, heads and head dims as transformers' Falcon-H1 table; the MLP width and vocab as
-recalled from the release (1.55B published). `lfm2-*`: the attention layers' positions are spread evenly (the counts
+recalled from the release (1.55B published); no Mamba2 norm and muP multipliers away from 1, as in the releases: the
+0.5B's (tests/models/test_falcon_h1.py) where it states them, stand-ins for the ssm ones (their values change no
+launch). `lfm2-*`: the attention layers' positions are spread evenly (the counts
 are the release's; LFM2-2.6B's 2,569,272,320 parameters match exactly). `nemotron3-nano` needs most of an 80 GB H100
 (58.8 GiB of weights): run it with `--gpu-memory-utilization 0.95`, or on the H200.
 
@@ -165,7 +167,10 @@ MODELS = {
     "falcon-h1-1.5b-deep": ("FalconH1Config", "FalconH1ForCausalLM", dict(
         vocab_size=65537, hidden_size=1280, num_hidden_layers=66, num_attention_heads=6, num_key_value_heads=2,
         head_dim=128, intermediate_size=3072, mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64, mamba_n_groups=1,
-        mamba_d_state=256, mamba_d_conv=4, tie_word_embeddings=False)),
+        mamba_d_state=256, mamba_d_conv=4, tie_word_embeddings=False, mamba_rms_norm=False,
+        attention_out_multiplier=0.9375, key_multiplier=0.390625, mlp_multipliers=[0.8838834764831844, 0.5859375],
+        embedding_multiplier=5.656854249492381, lm_head_multiplier=0.0390625, ssm_in_multiplier=1.25,
+        ssm_out_multiplier=0.25, ssm_multipliers=[0.35, 0.25, 0.5, 0.35, 0.175])),
     "jamba-3b-scaled": ("JambaConfig", "JambaForCausalLM", dict(
         vocab_size=65536, hidden_size=2560, num_hidden_layers=28, num_attention_heads=20, num_key_value_heads=4,
         intermediate_size=8192, num_experts=1, attn_layer_period=8, attn_layer_offset=4, mamba_d_state=16,

@@ -297,7 +297,9 @@ class KernelBackend(Protocol):
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The SiLU-gated MLP's hidden activation: gate, up [N, I] (column views of one fused projection's output
-        allowed) -> silu(gate) * up [N, I], each op's result rounded to the dtype as torch rounds it."""
+        allowed) -> silu(gate) * up [N, I], each op's result rounded to the dtype as torch rounds it. `up` may be
+        float32 beside a bf16 / fp16 gate (Mamba2's ungated output y * silu(z)): the product in fp32, rounded once
+        to gate's dtype, as `(F.silu(gate) * up).to(gate.dtype)`."""
         ...
 
     def sigmoid_gate_add(self, routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:

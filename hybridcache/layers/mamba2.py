@@ -31,7 +31,6 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from hybridcache.layers.linear import module_linear, scale_linear_
@@ -127,7 +126,7 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         y = step.core(functools.partial(self._recur, state), xbc, dt)  # [T, Hm, Pm] fp32
         y = y.view(hidden.shape[0], self.intermediate_size)
-        y = (y * F.silu(z)).to(z.dtype) if self.norm is None else self.norm(y, z, step)
+        y = step.backend.silu_mul(z, y) if self.norm is None else self.norm(y, z, step)  # (no norm: Falcon-H1's)
         return module_linear(self.out_proj, y)
 
     def fold_multipliers_(self, input_scale: float = 1.0) -> None:

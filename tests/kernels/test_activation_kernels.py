@@ -34,11 +34,14 @@ def fused_outputs(rows: int, widths: list[int], dtype: torch.dtype, device: str,
     return list(whole.split(widths, dim=-1))
 
 
-def check_silu_mul(rows: int, width: int, dtype: torch.dtype, device: str, rtol: float) -> None:
+def check_silu_mul(rows: int, width: int, dtype: torch.dtype, device: str, rtol: float, fp32_up: bool = False) -> None:
+    """fp32_up: Mamba2's ungated output y * silu(z), y in fp32 (`silu_mul(z, y)`), the product rounded once."""
     from hybridcache.kernels.activation import triton as fused
 
     gate, up = fused_outputs(rows, [width, width], dtype, device, seed=rows + width)
     assert rows == 1 or not gate.is_contiguous()  # the layers' case: read in place through the row stride
+    if fp32_up:
+        up = 3 * torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)).to(device)
     got = fused.silu_mul(gate, up)
     assert got.is_contiguous() and got.dtype == dtype
     torch.testing.assert_close(got, reference.silu_mul(gate, up), rtol=rtol, atol=rtol * 1e-2)
@@ -86,6 +89,12 @@ def test_cuda_silu_mul(rows: int, width: int, dtype: torch.dtype) -> None:
 
 
 @needs_cuda
+@SHAPES
+def test_cuda_silu_mul_of_an_fp32_up(rows: int, width: int) -> None:
+    check_silu_mul(rows, width, torch.bfloat16, "cuda", ULP[torch.bfloat16], fp32_up=True)
+
+
+@needs_cuda
 @DTYPES
 @SHAPES
 def test_cuda_sigmoid_gate_add(rows: int, width: int, dtype: torch.dtype) -> None:
@@ -118,6 +127,12 @@ def test_activation_kernels_in_a_triton_interpreter_subprocess() -> None:
 @SHAPES
 def test_interpreted_silu_mul(rows: int, width: int, dtype: torch.dtype) -> None:
     check_silu_mul(rows, width, dtype, "cpu", 2 * ULP[dtype])
+
+
+@needs_interpreter
+@SHAPES
+def test_interpreted_silu_mul_of_an_fp32_up(rows: int, width: int) -> None:
+    check_silu_mul(rows, width, torch.bfloat16, "cpu", 2 * ULP[torch.bfloat16], fp32_up=True)
 
 
 @needs_interpreter

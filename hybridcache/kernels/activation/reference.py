@@ -18,8 +18,9 @@ import torch.nn.functional as F
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gate, up [N, I] (same dtype) -> silu(gate) * up [N, I]."""
-    return F.silu(gate) * up
+    """gate, up [N, I] (same dtype, or up in float32) -> silu(gate) * up [N, I] in gate's dtype (silu rounded to it
+    first, as torch rounds it)."""
+    return (F.silu(gate) * up).to(gate.dtype)
 
 
 def sigmoid_gate_add(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:

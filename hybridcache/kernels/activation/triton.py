@@ -2,7 +2,8 @@
 Same math and the same roundings as `activation/reference.py`: each torch op's result is rounded to the output
 dtype where torch rounds it (no-ops in fp32), the arithmetic in between is fp32.
 
-- `silu_mul(gate, up)`:                      s = round(g * sigmoid(g));  out = round(s * up)
+- `silu_mul(gate, up)`:                      s = round(g * sigmoid(g));  out = round(s * up)   (up may be fp32:
+                                             Mamba2's ungated y * silu(z))
 - `sigmoid_gate_add(routed, gate, shared)`:  w = round(sigmoid(gate));   p = round(w * shared);  out = round(routed + p)
 - `sigmoid_mul(x, gate)` (the gated attention's output gate, per head):  w = round(sigmoid(gate));  out = round(x * w)
 - `relu_square(x)` (the ungated relu^2 MLP):   out = round(max(x, 0)^2)  (bit-identical to torch's square of relu)
@@ -93,8 +94,9 @@ def _grid(num_rows: int, width: int) -> tuple[tuple[int, int], int]:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gate, up [N, I] of one dtype -> silu(gate) * up, contiguous [N, I] (module docstring)."""
-    up = _rows(up, "up", tuple(gate.shape), gate.dtype)
+    """gate, up [N, I] of one dtype (or up in float32) -> silu(gate) * up, contiguous [N, I] in gate's dtype (module
+    docstring)."""
+    up = _rows(up, "up", tuple(gate.shape), torch.float32 if up.dtype == torch.float32 else gate.dtype)
     gate = _rows(gate, "gate", tuple(gate.shape), gate.dtype)
     num_rows, width = gate.shape
     out = torch.empty((num_rows, width), dtype=gate.dtype, device=gate.device)
