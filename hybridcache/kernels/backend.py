@@ -341,7 +341,8 @@ class KernelBackend(Protocol):
 
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
-        shared: tuple[torch.Tensor, torch.Tensor | Pending | nn.Module] | None = None, activation: str = "silu_gated",
+        shared: tuple[torch.Tensor | None, torch.Tensor | Pending | nn.Module] | None = None,
+        activation: str = "silu_gated",
     ) -> torch.Tensor:
         """The routed experts of a sparse MoE block (routing is done by the layer).
 
@@ -351,7 +352,8 @@ class KernelBackend(Protocol):
                     ("relu2": no `gate_proj`); one block's experts always come with the same activation
         activation  the experts' MLP (`moe.reference.EXPERT_ACTIVATIONS`): "silu_gated" down(silu(gate(x)) * up(x))
                     (Qwen, Granite), or "relu2" down(relu(up(x))^2) (Nemotron-H's ungated experts)
-        shared      None, or (gate [T, 1], shared [T, H]) in x's dtype: the shared expert's output and its gate;
+        shared      None, or (gate [T, 1], shared [T, H]) in x's dtype: the shared expert's output and its gate
+                    (gate None: an ungated shared MLP, added as it is: Granite's);
                     the output may be pending on the device's side stream (`kernels.streams.Pending`): then `moe`
                     joins it (`streams.joined`: the current stream waits for the side stream) after launching the
                     routed experts and before the first kernel that reads it, always, exactly once per call, and
@@ -359,8 +361,8 @@ class KernelBackend(Protocol):
                     `kernels/streams.py`, device scratch); or, where `fuses_shared_expert` holds, (gate, the shared
                     expert's module), its output computed here
         returns     [T, H]: out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]) (the activation's MLP)
-                    (+ `sigmoid_gate_add`'s sigmoid(gate[t]) * shared[t] with `shared`, rounded as it rounds; with
-                    the module, to float rounding)
+                    (+ `sigmoid_gate_add`'s sigmoid(gate[t]) * shared[t] with `shared`, rounded as it rounds; gate
+                    None: + shared[t], the rounded sum plus it, rounded; with the module, to float rounding)
         """
         ...
 
@@ -590,7 +592,7 @@ class ReferenceBackend(SharedOps):
 
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
-        shared: tuple[torch.Tensor, torch.Tensor | Pending] | None = None, activation: str = "silu_gated",
+        shared: tuple[torch.Tensor | None, torch.Tensor | Pending] | None = None, activation: str = "silu_gated",
     ) -> torch.Tensor:
         gated = activation != moe_ref.RELU2
         routed = moe_ref.routed_experts(
@@ -602,7 +604,7 @@ class ReferenceBackend(SharedOps):
             _DenseWeights([e.down_proj for e in experts], x.dtype),
             activation,
         )
-        return routed if shared is None else activation_ref.sigmoid_gate_add(routed, shared[0], joined(shared[1]))
+        return add_shared(routed, shared, activation_ref.sigmoid_gate_add)
 
     def gated_delta(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -820,6 +822,16 @@ def gated_rms_norm_fp8(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
     from hybridcache.kernels.norm import fp8 as norm_fp8
 
     return norm_fp8.gated_rms_norm_fp8(x, gate, weight, eps, group, pad_rows)
+
+
+def add_shared(routed: torch.Tensor, shared: tuple[torch.Tensor | None, torch.Tensor | Pending] | None,
+               sigmoid_gate_add: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`moe`'s shared term added to the routed experts' output in its own launch: none, `sigmoid_gate_add(routed,
+    gate, shared)` (the backend's op), or with gate None `routed + shared`; a pending shared output joined here."""
+    if shared is None:
+        return routed
+    gate, out = shared[0], joined(shared[1])
+    return routed + out if gate is None else sigmoid_gate_add(routed, gate, out)
 
 
 def fork(stream: torch.cuda.Stream | None, fn: Callable[..., torch.Tensor], *args: object) -> Pending:

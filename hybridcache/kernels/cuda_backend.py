@@ -64,7 +64,7 @@ from hybridcache.kernels import streams
 from hybridcache.kernels.activation import triton as triton_activation
 from hybridcache.kernels.attention import latent, mla_prefill, triton_latent, triton_paged
 from hybridcache.kernels.attention.base import AttentionBackend
-from hybridcache.kernels.backend import SharedOps, mamba1_scan, mamba2_scan, per_channel_delta_scan
+from hybridcache.kernels.backend import SharedOps, add_shared, mamba1_scan, mamba2_scan, per_channel_delta_scan
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
 from hybridcache.kernels.conv.triton_verify import conv_draft_states
 from hybridcache.kernels.gated_delta import fla as delta_fla
@@ -90,7 +90,7 @@ from hybridcache.kernels.moe.grouped import ExpertWeights, compile_tiles, groupe
 from hybridcache.kernels.norm import triton as fused_norm
 from hybridcache.kernels.rotary import triton as triton_rotary
 from hybridcache.kernels.shapes import ModelShapes, check_cuda_model
-from hybridcache.kernels.streams import Pending, joined
+from hybridcache.kernels.streams import Pending
 from hybridcache.kernels.varlen import any_fresh, chunk_indices, fresh_mask
 
 _logger = logging.getLogger(__name__)
@@ -478,7 +478,8 @@ class CudaBackend(SharedOps):
 
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
-        shared: tuple[torch.Tensor, torch.Tensor | Pending | nn.Module] | None = None, activation: str = "silu_gated",
+        shared: tuple[torch.Tensor | None, torch.Tensor | Pending | nn.Module] | None = None,
+        activation: str = "silu_gated",
     ) -> torch.Tensor:
         """`experts` must be a module (the block's nn.ModuleList): its stacked weights are kept per module, with
         their activation (a later call with another one is a ValueError; an activation outside
@@ -513,8 +514,7 @@ class CudaBackend(SharedOps):
                 return fp8_grouped_experts(x, top_weights, top_ids, stacked, w8a16=exact or None,
                                            shared_gate=shared[0])
             routed = fp8_grouped_experts(x, top_weights, top_ids, stacked, w8a16=exact or None)
-            return routed if shared is None else triton_activation.sigmoid_gate_add(routed, shared[0],
-                                                                                     joined(shared[1]))
+            return add_shared(routed, shared, triton_activation.sigmoid_gate_add)
         return grouped_experts(x, top_weights, top_ids, stacked, shared)
 
     step_metadata = staticmethod(_metadata)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from hybridcache.forward_batch import ForwardBatch
-from hybridcache.kernels.backend import KernelBackend
+from hybridcache.kernels.backend import KernelBackend, Pending, fork
 from hybridcache.layers.attention import kv_for_cache
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.linear import module_linear, module_swiglu_linear
@@ -123,7 +123,10 @@ class SharedMLP(nn.Module):
         self.output_linear = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        gate, up = module_linear(self.input_linear, x).chunk(2, dim=-1)
+        return self.down(*module_linear(self.input_linear, x).chunk(2, dim=-1), step)
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """output_linear(silu(gate) * up): the MLP after its input GEMM."""
         return module_swiglu_linear(self.output_linear, gate, up, step.backend)
 
 
@@ -137,11 +140,14 @@ class GraniteMoE(nn.Module):
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(hidden_size, intermediate_size, reduce=False) for _ in range(num_experts))
 
-    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        """transformers' gating (fp32 logits, the top-k's softmax, the weights in x's dtype): `route` softmaxes x's
-        dtype's logits in fp32 and rounds the weights to it, the same bits as casting before and after."""
-        top_weights, top_ids = step.backend.route(module_linear(self.router, x), self.top_k, True)
-        return step.backend.moe(x, top_weights, top_ids, self.experts)
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, shared: torch.Tensor | Pending,
+                step: StepContext) -> torch.Tensor:
+        """router(x) given (the layer's fused input GEMM computed it), the shared MLP's output (pending on the side
+        stream, or computed) added to the routed experts' in their combine. transformers' gating (fp32 logits, the
+        top-k's softmax, the weights in x's dtype): `route` softmaxes x's dtype's logits in fp32 and rounds the
+        weights to it, the same bits as casting before and after."""
+        top_weights, top_ids = step.backend.route(router_logits, self.top_k, True)
+        return step.backend.moe(x, top_weights, top_ids, self.experts, (None, shared))
 
 
 class GraniteDecoderLayer(nn.Module):
@@ -162,6 +168,8 @@ class GraniteDecoderLayer(nn.Module):
         self.shared_mlp = SharedMLP(c.hidden_size, width)
         self.block_sparse_moe = GraniteMoE(c.hidden_size, num_experts=mlp.num_experts, top_k=mlp.num_experts_per_tok,
                                            intermediate_size=mlp.moe_intermediate_size) if moe else None
+        # an MoE layer's two projections of its input in one GEMM (FP8 beside the dense router: two)
+        self.inputs = FusedProjection(self.shared_mlp.input_linear, self.block_sparse_moe.router) if moe else None
 
     @property
     def mixer(self) -> nn.Module:
@@ -177,10 +185,13 @@ class GraniteDecoderLayer(nn.Module):
             hidden, normed = self.input_layernorm.add(hidden, pending, step.backend, scale=m)
         out = self.mixer(normed, step, state)
         hidden, normed = self.post_attention_layernorm.add(hidden, out, step.backend, scale=m)
-        ffn = self.shared_mlp(normed, step)
-        if self.block_sparse_moe is not None:
-            ffn = self.block_sparse_moe(normed, step) + ffn
-        return hidden, ffn
+        if self.block_sparse_moe is None:
+            return hidden, self.shared_mlp(normed, step)
+        # the shared MLP on the side stream (CUDA) beside the routing and the routed experts, as Qwen's shared expert
+        # (`layers/mlp.py`); `moe` joins it before the combine that adds it
+        gate_up, router_logits = self.inputs(normed)
+        shared = fork(step.backend.side_stream(normed.device), self.shared_mlp.down, *gate_up.chunk(2, dim=-1), step)
+        return hidden, self.block_sparse_moe(normed, router_logits, shared, step)
 
 
 class GraniteMoeHybridForCausalLM(MambaHybridLM):

@@ -1,5 +1,6 @@
 """The MoE combine with the shared expert's gated add in the same launch (`moe/triton_experts.combine(...,
-shared=(gate, shared))`, what a Qwen3-Next MoE block's decode step runs) against the two launches it replaces
+shared=(gate, shared))`, what a Qwen3-Next MoE block's decode step runs; `shared=(None, shared)`, Granite's ungated
+shared MLP, the same way with `routed + shared`) against the two launches it replaces
 (`combine`, then `activation.sigmoid_gate_add`: the same roundings, so the same bits) and against torch (each
 pick's weighted row summed in fp64, then the reference `sigmoid_gate_add`).
 
@@ -54,6 +55,14 @@ def check_combine_shared(tokens: int, top_k: int, hidden: int, sorted_rows: bool
     want = activation_ref.sigmoid_gate_add(routed.to(dtype), gate, shared)
     scale = terms.abs().sum(1) + (torch.sigmoid(gate.double()) * shared.double()).abs()  # the sums may cancel
     assert ((got.double() - want.double()).abs() <= slack * TOL[dtype] * scale + 1e-30).all()
+
+    # ungated (Granite's shared MLP): the two launches' bits, and torch's routed + shared
+    got = combine(y, weights, pos, (None, shared))
+    assert got.shape == (tokens, hidden) and got.dtype == dtype and got.is_contiguous()
+    if device == "cuda" or dtype == torch.float32:  # (the interpreter truncates to bf16 where torch's add rounds)
+        assert torch.equal(got, combine(y, weights, pos) + shared)
+    scale = terms.abs().sum(1) + shared.double().abs()
+    assert ((got.double() - (routed.to(dtype) + shared).double()).abs() <= slack * TOL[dtype] * scale + 1e-30).all()
 
 
 @needs_cuda
@@ -128,7 +137,7 @@ def test_combine_refuses_a_misshapen_shared_expert() -> None:
         combine(y, weights, shared=(torch.zeros(4, 1), torch.zeros(16, 4).t()))
 
 
-def test_reference_moe_adds_the_shared_expert_as_sigmoid_gate_add() -> None:
+def test_reference_moe_adds_the_shared_expert_as_sigmoid_gate_add_or_plain() -> None:
     from hybridcache.kernels.backend import ReferenceBackend
     from hybridcache.layers.mlp import MLP
 
@@ -142,6 +151,8 @@ def test_reference_moe_adds_the_shared_expert_as_sigmoid_gate_add() -> None:
     with torch.no_grad():
         want = activation_ref.sigmoid_gate_add(backend.moe(x, weights, ids, experts), gate, shared)
         assert torch.equal(backend.moe(x, weights, ids, experts, (gate, shared)), want)
+        assert torch.equal(backend.moe(x, weights, ids, experts, (None, shared)),
+                           backend.moe(x, weights, ids, experts) + shared)
 
 
 def test_combine_with_the_shared_expert_compiles_for_hopper() -> None:
@@ -152,7 +163,7 @@ def test_combine_with_the_shared_expert_compiles_for_hopper() -> None:
     pointers = {"y_ptr": "*bf16", "pos_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16", "gate_ptr": "*bf16",
                 "shared_ptr": "*bf16"}
     ints = [p.name for p in _combine_kernel.params if not p.name.endswith("_ptr") and not p.is_constexpr]
-    ptx = {gated: compile_for_hopper(_combine_kernel, pointers, ints,
-                                     dict(TOP_K=4, BLOCK_H=1024, SORTED=False, GATED=gated)).asm["ptx"]
-           for gated in (False, True)}
-    assert "ex2" in ptx[True] and "ex2" not in ptx[False]  # the gate's sigmoid, only when fused
+    ptx = {mode: compile_for_hopper(_combine_kernel, pointers, ints,
+                                    dict(TOP_K=4, BLOCK_H=1024, SORTED=False, SHARED=mode)).asm["ptx"]
+           for mode in (0, 1, 2)}
+    assert "ex2" in ptx[1] and "ex2" not in ptx[0] and "ex2" not in ptx[2]  # the gate's sigmoid, only when gated

@@ -162,11 +162,12 @@ def expert_rows_grouped(x: torch.Tensor, pos: torch.Tensor, ends: torch.Tensor, 
 
 def grouped_experts(
     x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: ExpertWeights,
-    shared: tuple[torch.Tensor, torch.Tensor | Pending] | None = None,
+    shared: tuple[torch.Tensor | None, torch.Tensor | Pending] | None = None,
 ) -> torch.Tensor:
     """x [T, H], top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]), plus sigmoid(gate[t]) * shared[t] in the
-    combine's launch when `shared` = (gate [T, 1], shared [T, H]) is given (`triton_experts.combine`). A shared
+    combine's launch when `shared` = (gate [T, 1], shared [T, H]) is given (`triton_experts.combine`; gate None:
+    plus shared[t]). A shared
     output pending on the side stream (`kernels/streams.py`) is joined after the sort and the expert GEMMs were
     launched, right before the combine: the side stream's work overlaps all of them."""
     top_k = top_ids.shape[1]
@@ -186,8 +187,8 @@ def compile_tiles(x: torch.Tensor, experts: ExpertWeights, top_k: int) -> None:
     device, so that they compile when the engine starts (its profiling forward stacks the experts) and not inside
     the first request that needs one (what that costs: docs/bench.md, "Start-up compiles"): the one-launch sort at
     each of its pair-count buckets (`triton_sort.block_sizes`), the expert GEMM with each tile `tile_rows` can
-    pick (each with its `launch_tile`), and the combine of its output (alone and with the shared expert's gated
-    add)."""
+    pick (each with its `launch_tile`), and the combine of its output (alone, with the shared expert's gated add
+    and with an ungated one)."""
     num_experts = experts.gate_up.shape[0]
     if x.is_cuda and num_experts <= MAX_EXPERTS:
         for block_n in block_sizes():
@@ -199,6 +200,7 @@ def compile_tiles(x: torch.Tensor, experts: ExpertWeights, top_k: int) -> None:
     for block_m in (16, 32, 64):
         combine(expert_rows_triton(token, order, counts, top_k, experts, block_m), weights)
     combine(token.repeat(top_k, 1), weights, shared=(token[:, :1], token))  # with the shared expert's gated add
+    combine(token.repeat(top_k, 1), weights, shared=(None, token))  # with an ungated one (Granite's shared MLP)
 
 
 def pair_rows(order: torch.Tensor) -> torch.Tensor:

@@ -177,7 +177,7 @@ def expert_gemm(a: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch
 @triton.jit
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, gate_ptr, shared_ptr, H, stride_y, stride_out, stride_gate,
                     stride_shared, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SORTED: tl.constexpr,
-                    GATED: tl.constexpr, PDL: tl.constexpr):
+                    SHARED: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -191,25 +191,31 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, gate_ptr, shared_ptr, H, str
         weight = tl.load(w_ptr + token * TOP_K + j).to(tl.float32)
         acc += weight * tl.load(y_ptr + row * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    if GATED:  # + sigmoid(gate) * shared, rounded where `activation.sigmoid_gate_add` rounds
+    if SHARED:  # + sigmoid(gate) * shared (1, rounded where `activation.sigmoid_gate_add` rounds) or + shared (2)
         routed = acc.to(dtype).to(tl.float32)
-        w = tl.sigmoid(tl.load(gate_ptr + token * stride_gate).to(tl.float32)).to(dtype).to(tl.float32)
         s = tl.load(shared_ptr + token * stride_shared + cols, mask=ok, other=0.0).to(tl.float32)
-        acc = routed + (w * s).to(dtype).to(tl.float32)
+        if SHARED == 1:
+            w = tl.sigmoid(tl.load(gate_ptr + token * stride_gate).to(tl.float32)).to(dtype).to(tl.float32)
+            s = (w * s).to(dtype).to(tl.float32)
+        acc = routed + s
     tl.store(out_ptr + token * stride_out + cols, acc.to(dtype), mask=ok)
 
 
 def combine(y: torch.Tensor, top_weights: torch.Tensor, pos: torch.Tensor | None = None,
-            shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            shared: tuple[torch.Tensor | None, torch.Tensor] | None = None) -> torch.Tensor:
     """y [R, H] (unit stride on H): the pairs' expert outputs in pair order (row t*k + j), or in sorted order
     with pos [R] the sorted row of each pair; top_weights [T, k] -> [T, H] in y's dtype:
     out[t] = sum_j top_weights[t, j] * y[row of pair t*k + j], an fp32 sum rounded once. With `shared` = (gate
     [T, 1], shared [T, H], y's dtype, unit stride on H): that sum + sigmoid(gate) * shared in the same launch, with
-    the roundings of `activation.sigmoid_gate_add` (the same bits as the two launches)."""
+    the roundings of `activation.sigmoid_gate_add` (the same bits as the two launches); with gate None (Granite's
+    ungated shared MLP): the rounded sum + shared, rounded (torch's `routed + shared`)."""
     num_tokens, top_k = top_weights.shape
     hidden = y.shape[1]
     gate, extra = shared if shared is not None else (y, y)
-    if shared is not None and (tuple(gate.shape) != (num_tokens, 1) or tuple(extra.shape) != (num_tokens, hidden)
+    mode = 0 if shared is None else 2 if gate is None else 1
+    gate = extra if gate is None else gate
+    if shared is not None and ((mode == 1 and tuple(gate.shape) != (num_tokens, 1))
+                               or tuple(extra.shape) != (num_tokens, hidden)
                                or gate.dtype != y.dtype or extra.dtype != y.dtype or extra.stride(1) != 1):
         raise ValueError(f"combine: gate [{num_tokens}, 1] and shared [{num_tokens}, {hidden}] (unit stride) in "
                          f"{y.dtype} needed, got {list(gate.shape)} {gate.dtype} and {list(extra.shape)} "
@@ -220,7 +226,7 @@ def combine(y: torch.Tensor, top_weights: torch.Tensor, pos: torch.Tensor | None
         _combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
             y, y if pos is None else pos, top_weights.contiguous(), out, gate, extra, hidden, y.stride(0),
             out.stride(0), gate.stride(0), extra.stride(0),
-            TOP_K=top_k, BLOCK_H=block_h, SORTED=pos is not None, GATED=shared is not None, **pdl.options(y),
+            TOP_K=top_k, BLOCK_H=block_h, SORTED=pos is not None, SHARED=mode, **pdl.options(y),
         )
     return out
 
