@@ -7,8 +7,9 @@ block, groups shared by several heads, and `out` a slice of a wider buffer (a mi
 
 `test_interpreted_*`: under TRITON_INTERPRET=1 in a child process (`tests/kernels/interpreter.py`), fp32 and bf16
 pools (bf16 stores: the interpreter truncates where the GPU rounds, so bf16 rows are compared within two bf16 steps).
-`test_cuda_*`: on the GPU at the served models' widths. Tolerances: fp32 1e-5 relative (another summation order for
-S C; softplus to a few ulps), bf16 pools one bf16 step of the rewritten rows.
+`test_cuda_*`: on the GPU at the served models' widths. Tolerances: y 1e-5 relative to its terms' magnitude
+(sum_n |S C| + |D x|: another summation order for S C, whose terms may cancel), the fp32 state 1e-5 relative (softplus
+to a few ulps), bf16 pools one bf16 step of the rewritten rows.
 """
 
 from __future__ import annotations
@@ -61,7 +62,12 @@ def check_step(device: str, heads: int, head_dim: int, groups: int, state: int, 
                         slots.to(dev), ctx.to(dev), dt_limit=dt_limit, out=wide[1 : num + 1])
     assert y.data_ptr() == wide[1].data_ptr()
     assert wide[0].isnan().all() and wide[-1].isnan().all()  # nothing written past `out`
-    torch.testing.assert_close(y.cpu(), want_y, rtol=1e-5, atol=1e-5)
+    # y = S C + D x sums terms that may cancel: 1e-5 of the terms' magnitude (at Nemotron-H's widths an H100 run found
+    # 57 of 51,200 outputs past 1e-5 of |y| itself, all at most 2.7e-7 of their terms: another summation order)
+    group = torch.arange(heads) // (heads // groups)
+    terms = (want_state.abs() * C[:, group].abs()[:, :, None, :]).sum(-1) + (D[None, :, None] * x).abs()
+    err = (y.cpu() - want_y).abs()
+    assert (err <= 1e-5 * terms + 1e-6).all(), f"y: {int((err > 1e-5 * terms + 1e-6).sum())} outputs off"
     got = pool_d.cpu()
     if pool_dtype == torch.float32:
         torch.testing.assert_close(got[slots], want_state, rtol=1e-5, atol=1e-5)

@@ -239,8 +239,10 @@ def _num_warps(rows_per_program: int, block: int) -> int:
     return 4 if rows_per_program > 1 else max(4, min(16, block // 256))
 
 
-def _launch(kernel, x: torch.Tensor, eps: float, *extra) -> torch.Tensor:
-    """A contiguous [..., dim] output in x's dtype, ROWS rows of x per program (read in place, `_rows`).
+def _launch(kernel, x: torch.Tensor, eps: float, *extra, fp_fusion: bool = True) -> torch.Tensor:
+    """A contiguous [..., dim] output in x's dtype, ROWS rows of x per program (read in place, `_rows`); `fp_fusion`
+    False compiles the kernel without contracting a product and a sum into one FMA (one rounding where torch's two
+    ops round twice).
 
     Rows of a head dim (128) are 256 bytes: one program each leaves long prefill steps latency-bound (docs/bench.md,
     "Figures behind the code's choices"), so short rows are grouped, 16 per program at 128 columns; hidden-size
@@ -254,7 +256,8 @@ def _launch(kernel, x: torch.Tensor, eps: float, *extra) -> torch.Tensor:
         per_program = max(1, _ELEMENTS_PER_PROGRAM // block)
         kernel[(triton.cdiv(num_rows, per_program),)](rows, out, num_rows, stride_t, stride_h, heads, dim, eps,
                                                       *extra, ROWS=per_program, BLOCK=block,
-                                                      num_warps=_num_warps(per_program, block), **pdl.options(x))
+                                                      num_warps=_num_warps(per_program, block),
+                                                      enable_fp_fusion=fp_fusion, **pdl.options(x))
     return out
 
 
@@ -282,8 +285,9 @@ def add_rms_norm(
         return reference.add_rms_norm(x, residual, weight, eps, weighting, scale)
     residuals, r_stride_t, r_stride_h, _ = _rows(residual)  # same shape, so the same row -> (t, h) split
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # scaled: x + residual * scale as torch's two ops (fp32: with fusion the GPU would contract them into one FMA)
     return total, _launch(_add_rms_norm_kernel, x, eps, residuals, r_stride_t, r_stride_h, total, weight, scale,
-                          int(weighting), scale != 1.0)
+                          int(weighting), scale != 1.0, fp_fusion=scale == 1.0)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
