@@ -499,7 +499,7 @@ def sweep_moe_prefill(seqs: int) -> list[dict]:
         def run(_i: int, b=block_h, w=warps) -> None:
             _combine_kernel[(tokens, triton.cdiv(hidden, b))](
                 y, pos, weights, out, y, y, hidden, y.stride(0), out.stride(0), 0, 0, TOP_K=top_k, BLOCK_H=b,
-                SORTED=True, GATED=False, num_warps=w, **pdl.options(y))
+                SORTED=True, SHARED=0, num_warps=w, **pdl.options(y))
         run(0)
         ref = out.clone() if ref is None else ref
         part.append({"launch": f"combine: BLOCK_H {block_h}, {warps} warps", "us": graph_us(run, 1),

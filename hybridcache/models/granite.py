@@ -36,8 +36,9 @@ import functools
 import torch
 from torch import nn
 
+import hybridcache.kernels.backend as kernel_backend
 from hybridcache.forward_batch import ForwardBatch
-from hybridcache.kernels.backend import KernelBackend, Pending, fork
+from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.attention import kv_for_cache
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.linear import module_linear, module_swiglu_linear
@@ -140,7 +141,7 @@ class GraniteMoE(nn.Module):
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(hidden_size, intermediate_size, reduce=False) for _ in range(num_experts))
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, shared: torch.Tensor | Pending,
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, shared: torch.Tensor | kernel_backend.Pending,
                 step: StepContext) -> torch.Tensor:
         """router(x) given (the layer's fused input GEMM computed it), the shared MLP's output (pending on the side
         stream, or computed) added to the routed experts' in their combine. transformers' gating (fp32 logits, the
@@ -190,7 +191,8 @@ class GraniteDecoderLayer(nn.Module):
         # the shared MLP on the side stream (CUDA) beside the routing and the routed experts, as Qwen's shared expert
         # (`layers/mlp.py`); `moe` joins it before the combine that adds it
         gate_up, router_logits = self.inputs(normed)
-        shared = fork(step.backend.side_stream(normed.device), self.shared_mlp.down, *gate_up.chunk(2, dim=-1), step)
+        shared = kernel_backend.fork(step.backend.side_stream(normed.device), self.shared_mlp.down,
+                                     *gate_up.chunk(2, dim=-1), step)
         return hidden, self.block_sparse_moe(normed, router_logits, shared, step)
 
 

@@ -239,7 +239,7 @@ def _num_warps(rows_per_program: int, block: int) -> int:
     return 4 if rows_per_program > 1 else max(4, min(16, block // 256))
 
 
-def _launch(kernel, x: torch.Tensor, eps: float, *extra, fp_fusion: bool = True) -> torch.Tensor:
+def _launch(kernel, x: torch.Tensor, eps: float, fp_fusion: bool, *extra) -> torch.Tensor:
     """A contiguous [..., dim] output in x's dtype, ROWS rows of x per program (read in place, `_rows`); `fp_fusion`
     False compiles the kernel without contracting a product and a sum into one FMA (one rounding where torch's two
     ops round twice).
@@ -268,7 +268,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     the torch reference."""
     if weighting == reference.Weighting.ROUNDED and weight.dtype != x.dtype:
         return reference.rms_norm(x, weight, eps, weighting)
-    return _launch(_rms_norm_kernel, x, eps, weight, int(weighting))
+    return _launch(_rms_norm_kernel, x, eps, True, weight, int(weighting))
 
 
 def add_rms_norm(
@@ -286,8 +286,8 @@ def add_rms_norm(
     residuals, r_stride_t, r_stride_h, _ = _rows(residual)  # same shape, so the same row -> (t, h) split
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     # scaled: x + residual * scale as torch's two ops (fp32: with fusion the GPU would contract them into one FMA)
-    return total, _launch(_add_rms_norm_kernel, x, eps, residuals, r_stride_t, r_stride_h, total, weight, scale,
-                          int(weighting), scale != 1.0, fp_fusion=scale == 1.0)
+    return total, _launch(_add_rms_norm_kernel, x, eps, scale == 1.0, residuals, r_stride_t, r_stride_h, total, weight,
+                          scale, int(weighting), scale != 1.0)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -295,7 +295,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if gate.shape != x.shape:
         raise ValueError(f"gated_rms_norm: gate {tuple(gate.shape)} and x {tuple(x.shape)} differ")
     gates, gate_stride_t, gate_stride_h, _ = _rows(gate)  # same shape, so the same row -> (t, h) split
-    return _launch(_gated_rms_norm_kernel, x, eps, gates, gate_stride_t, gate_stride_h, weight)
+    return _launch(_gated_rms_norm_kernel, x, eps, True, gates, gate_stride_t, gate_stride_h, weight)
 
 
 def gated_group_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
@@ -324,7 +324,7 @@ def gated_group_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim: x [..., dim] -> contiguous [..., dim] in x's dtype."""
-    return _launch(_l2norm_kernel, x, eps)
+    return _launch(_l2norm_kernel, x, eps, True)
 
 
 def _launch_fp8(kernel, x: torch.Tensor, eps: float, group: int, pad_rows: int, *extra
