@@ -11,8 +11,8 @@ Steps for T tokens, E experts, top-k (every tensor stays on the device; nothing 
     many rows (prefill): ends = cumsum(counts) (int32 group ends); pos = each pair's sorted row; xs = x[token
         of each sorted pair] (`triton_experts.spread`: each token row read once, written to its k sorted rows);
         h = silu(gate) * up of grouped_mm(xs, W_gate_up^T, ends) (`activation.triton.silu_mul` on its two column
-        halves), or relu(.)^2 of grouped_mm(xs, W_up^T, ends) (torch, in place); y = grouped_mm(h, W_down^T,
-        ends), sorted
+        halves), or relu(.)^2 of grouped_mm(xs, W_up^T, ends) (`activation.triton.relu_square`);
+        y = grouped_mm(h, W_down^T, ends), sorted
     out[t] = sum over its k picks of weight * y[row of the pick]  (`triton_experts.combine`: fp32 sum)
 
 `torch._grouped_mm` runs CUTLASS's Hopper grouped GEMM for bf16 (sm90); other dtypes take torch's
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybridcache.kernels.activation.triton import silu_mul
+from hybridcache.kernels.activation.triton import relu_square, silu_mul
 from hybridcache.kernels.moe.reference import RELU2, SILU_GATED, check_activation
 from hybridcache.kernels.moe.triton_experts import combine, expert_gemm, spread
 from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, MAX_PAIRS, block_sizes, sort_pairs_triton
@@ -156,7 +156,7 @@ def expert_rows_grouped(x: torch.Tensor, pos: torch.Tensor, ends: torch.Tensor, 
     """y [T*k, H] in sorted order: each sorted row's expert output, by two grouped GEMMs with the token rows
     spread to their sorted rows (pos: `pair_rows`) and the activation between them (module docstring)."""
     h = torch._grouped_mm(spread(x, pos, top_k), experts.gate_up.transpose(1, 2), offs=ends)
-    h = torch.relu_(h).square_() if experts.activation == RELU2 else silu_mul(*h.chunk(2, dim=-1))
+    h = relu_square(h) if experts.activation == RELU2 else silu_mul(*h.chunk(2, dim=-1))
     return torch._grouped_mm(h, experts.down.transpose(1, 2), offs=ends)
 
 
