@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+import hybridcache.kernels.backend as kernel_backend
 from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.linear import module_linear
 from hybridcache.layers.norm import RMSNorm
@@ -135,12 +136,17 @@ class NemotronHMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepContext, state: LayerState) -> torch.Tensor:
         del state
+        if self.fc1_latent_proj is not None:  # the routed sum leaves through fc2: the shared output is added after it
+            top_weights, top_ids = self.gate(x, step.backend)
+            latent = module_linear(self.fc1_latent_proj, x)
+            routed = step.backend.moe(latent, top_weights, top_ids, self.experts, activation="relu2")
+            return module_linear(self.fc2_latent_proj, routed) + self.shared_experts.mlp(x, step.backend)
+        # the shared expert on the side stream (CUDA) beside the routing and the routed experts, as Granite's shared
+        # MLP; `moe` joins it and its combine adds it (`routed + shared`, each rounded as torch's add rounds). The
+        # router's fp32 GEMM is cuBLAS, none of the dense linears' shared scratch (`kernels/streams.py`).
+        shared = kernel_backend.fork(step.backend.side_stream(x.device), self.shared_experts.mlp, x, step.backend)
         top_weights, top_ids = self.gate(x, step.backend)  # float32 weights: each expert output x its weight in fp32
-        latent = x if self.fc1_latent_proj is None else module_linear(self.fc1_latent_proj, x)
-        routed = step.backend.moe(latent, top_weights, top_ids, self.experts, activation="relu2")
-        if self.fc2_latent_proj is not None:
-            routed = module_linear(self.fc2_latent_proj, routed)
-        return routed + self.shared_experts.mlp(x, step.backend)
+        return step.backend.moe(x, top_weights, top_ids, self.experts, (None, shared), activation="relu2")
 
 
 class NemotronHBlock(nn.Module):
