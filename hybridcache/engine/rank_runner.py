@@ -14,6 +14,7 @@ k pages (S_rank <= k x P_rank), since the cache's page ids are the same on all r
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from hybridcache.config import EngineConfig
 from hybridcache.engine.memory import MemoryPlan, engine_share, plan_memory, pool_bytes, state_pages
 from hybridcache.engine.runner import ModelRunner, measure_activation_bytes
 from hybridcache.kernels.backend import KernelBackend, get_backend
+from hybridcache.kernels.parallel_compile import parallel_compiles
 from hybridcache.kernels.shapes import MLAShapes, ModelShapes
 from hybridcache.layers.parallel import UNSHARDED, TensorParallel
 from hybridcache.models import ModelConfig, load_model
@@ -122,7 +124,7 @@ def build_runner(
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"device {device}: this machine has {torch.cuda.device_count()} CUDA devices"
                          + ("" if torch.cuda.is_available() else " (torch sees none: no GPU, or a CPU-only torch)"))
-    dtype, state_dtype = DTYPES[config.dtype], DTYPES[config.mamba_ssm_cache_dtype]
+    dtype = DTYPES[config.dtype]
     if device.type == "cuda" and dtype == torch.float32:
         # fp32 means IEEE fp32: Triton's dots (ours and flash-linear-attention's) default to tf32, whose 10-bit
         # mantissa makes cached and uncached runs (different chunkings) differ like bf16 does. Read by Triton
@@ -144,6 +146,26 @@ def build_runner(
             raise ValueError(f"speculative decoding needs a kernel backend that keeps per-position recurrent "
                              f"states of verify rows; {type(backend).__name__} does not")
         check_mtp_head(spec.model_path, tp, load_format=config.load_format, kv_fp8=config.kv_fp8)
+    # on CUDA, autotuned kernels compile their candidates on a thread pool from here to the end of the start-up
+    with parallel_compiles() if device.type == "cuda" else contextlib.nullcontext():
+        return _build_on(spec, tp, device, agree, backend, shapes, share, free_at_start)
+
+
+def _build_on(
+    spec: RunnerSpec,
+    tp: TensorParallel,
+    device: torch.device,
+    agree: Callable[[int], int],
+    backend: KernelBackend,
+    shapes: ModelShapes,
+    share: int,
+    free_at_start: int,
+) -> tuple[ModelRunner, MemoryPlan]:
+    """`build_runner` once the device, the backend and the folder's shapes are checked: the weights, the memory
+    plan and the runner."""
+    config = spec.config
+    dtype, state_dtype = DTYPES[config.dtype], DTYPES[config.mamba_ssm_cache_dtype]
+    speculative = config.speculative_config
     model = load_model(spec.model_path, dtype=dtype, device=device, tp=tp, quantization=config.quantization,
                        load_format=config.load_format, kv_fp8=config.kv_fp8)
     head = None

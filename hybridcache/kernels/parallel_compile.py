@@ -1,0 +1,88 @@
+"""Triton compiles on a thread pool while an engine starts: an autotuned kernel's candidates compiled at once.
+
+On a machine with an empty Triton cache an engine's start-up is mostly compiling (next-1b: ~80 s against ~8 s with
+the cache kept; docs/bench.md). An autotuned kernel (flash-linear-attention's chunked kernels) compiles each candidate
+config when its autotuner first times it at a new tuning key, one after another. Inside `parallel_compiles()`, that
+first launch first warms every candidate (`Autotuner.warmup`) under Triton's `AsyncCompileMode`, which hands each
+compile to a thread pool (Triton's passes and ptxas release the GIL), so the autotuner's timings wait only for the
+candidate they time while the others compile beside it. Nothing else changes: a plain launch compiles before it runs
+(on the pool, waited for), and the autotuner times the same candidates and keeps the same choice.
+
+    with parallel_compiles():       # the engine's start-up on CUDA (`engine/rank_runner.build_runner`)
+        ...                         # profiling forward, compiles, graph captures
+
+Without Triton, with a Triton that has no `AsyncCompileMode` (it came in Triton 3.5), or with one usable core, the
+context does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+MAX_WORKERS = 16
+
+
+def compile_workers() -> int:
+    """Threads for the pool: the cores this process may run on, at most `MAX_WORKERS`."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on Linux)
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
+
+
+def tuning_key(autotuner: Any, args: tuple, kwargs: dict) -> tuple:
+    """The key Triton's `Autotuner.run` caches its choice under (its `keys` arguments, then every tensor's dtype)."""
+    named = {**dict(zip(autotuner.arg_names, args)), **kwargs}
+    named = {name: value for name, value in named.items() if name in autotuner.arg_names}
+    key = [named[name] for name in autotuner.keys if name in named]
+    key += [str(value.dtype) for value in named.values() if hasattr(value, "dtype")]
+    return tuple(key)
+
+
+@contextlib.contextmanager
+def parallel_compiles(workers: int | None = None) -> Iterator[None]:
+    """While entered, autotuned Triton kernels compile their candidates on a pool of `workers` threads (None:
+    `compile_workers()`); on exit every compile it started has finished. Not reentrant (Triton allows one
+    `AsyncCompileMode` at a time): a nested use does nothing."""
+    workers = compile_workers() if workers is None else workers
+    try:
+        import triton
+        from triton.runtime import _async_compile
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        yield
+        return
+    mode_type = getattr(triton, "AsyncCompileMode", None)
+    if mode_type is None or workers < 2 or _async_compile.active_mode.get() is not None:
+        yield
+        return
+    run = Autotuner.run
+    warmed: set[tuple[int, tuple]] = set()
+
+    def run_after_warming(self: Autotuner, *args: Any, **kwargs: Any) -> Any:
+        if len(self.configs) > 1 and not kwargs.get("warmup"):
+            key = tuning_key(self, args, kwargs)
+            if key not in self.cache and (id(self), key) not in warmed:
+                warmed.add((id(self), key))
+                self.warmup(*args, **{name: value for name, value in kwargs.items() if name != "warmup"})
+        return run(self, *args, **kwargs)
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool:
+        # a candidate that cannot compile (too much shared memory) fails when the autotuner times it, as without
+        # the pool; ignore_errors keeps the exit's wait from raising it a second time (a Triton without it: no pool)
+        try:
+            mode = mode_type(pool, ignore_errors=True)
+        except TypeError:
+            yield
+            return
+        with mode:
+            Autotuner.run = run_after_warming
+            try:
+                yield
+            finally:
+                Autotuner.run = run
