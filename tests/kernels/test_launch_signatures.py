@@ -41,6 +41,8 @@ UNEXPLAINED = {
         "fla-core's kernel (pyproject `cuda` extra pins 0.6), not ours: its parameters live in the fla package",
     ("benchmarks/fp8_sweep.py", "timed_cuda", "calls"):
         "`calls[i]()` runs the benchmark's closures (a list passed down from `timed`), not a kernel",
+    ("hybridcache/kernels/parallel_compile.py", "parallel_compiles", "self"):
+        "any autotuned kernel's `Autotuner.warmup`, forwarding the launch's own arguments (fla's kernels), not ours",
 }
 
 # Launch options when triton's source cannot be found (those of triton 3.x's CUDAOptions that a launch may set).
