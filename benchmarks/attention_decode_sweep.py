@@ -34,7 +34,8 @@ CASES = {"64 x 1,050": (64, 1050), "64 x 4,100": (64, 4100), "1 x 16,000": (1, 1
 # (key block, launch): the default first
 LAUNCHES = [(64, DecodeLaunch())] + [(64, DecodeLaunch(w, s, c)) for w, s, c in (
     (4, 1, 2), (4, 3, 2), (8, 2, 2), (8, 1, 2), (4, 2, 4), (4, 1, 4), (8, 2, 4), (4, 2, 8))] + [
-    (32, DecodeLaunch(w, s, c)) for w, s, c in ((4, 2, 2), (4, 3, 2), (4, 2, 4), (2, 2, 4))]
+    (32, DecodeLaunch(w, s, c)) for w, s, c in ((4, 2, 2), (4, 3, 2), (4, 2, 4), (2, 2, 4))] + [
+    (128, DecodeLaunch(w, s, c)) for w, s, c in ((4, 2, 2), (8, 2, 2), (4, 2, 4), (8, 2, 4))]  # (for head dims <= 128)
 
 
 def case_tensors(num_seqs: int, context: int, heads: tuple[int, int, int], device: torch.device,
