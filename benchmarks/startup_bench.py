@@ -57,8 +57,8 @@ def main() -> None:
                     "cache_entries_at_start": len(os.listdir(cache)) if os.path.isdir(cache) else 0}
     start = time.perf_counter()
     with CompileTimes(top=15) as compiled:
-        llm = LLM(folder, dtype="bfloat16", block_size=64, max_num_seqs=64, max_num_batched_tokens=16384,
-                  load_format="dummy")
+        llm = LLM(folder, device="cuda", dtype="bfloat16", block_size=64, max_num_seqs=64,
+                  max_num_batched_tokens=16384, load_format="dummy")
     result["startup_s"] = round(time.perf_counter() - start, 2)
     result["compiles"] = compiled.summary()
     prompt = letters(random.Random(0), 3000)
