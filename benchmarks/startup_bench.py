@@ -39,6 +39,7 @@ def main() -> None:
     if args.empty_triton_cache:  # before Triton is imported: it reads the folder from the environment
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_cache_")
     sys.path[:0] = [str(Path(__file__).resolve().parent)]
+    import torch
     from fp8_bench import CompileTimes
     from gpu_bench import MODELS, letters
     from tp_bench import config_folder
@@ -60,6 +61,7 @@ def main() -> None:
         llm = LLM(folder, device="cuda", dtype="bfloat16", block_size=64, max_num_seqs=64,
                   max_num_batched_tokens=16384, load_format="dummy")
     result["startup_s"] = round(time.perf_counter() - start, 2)
+    result["device"] = torch.cuda.get_device_name()
     result["compiles"] = compiled.summary()
     prompt = letters(random.Random(0), 3000)
     start = time.perf_counter()
@@ -68,10 +70,11 @@ def main() -> None:
     result["first_request_tokens"] = list(output.outputs[0].token_ids)
     mode = "serial" if args.serial_compiles else "parallel"
     c = result["compiles"]
-    print(f"{args.model}, {mode} compiles, Triton cache of {result['cache_entries_at_start']} entries at start: "
-          f"start-up {result['startup_s']:.1f} s; {c.get('compiled')} kernels compiled ({c.get('s')} s of compile "
-          f"time summed over threads), {c.get('disk_hits')} loaded from disk; first request "
-          f"{result['first_request_ms']:.0f} ms, tokens {result['first_request_tokens']}", flush=True)
+    print(f"{args.model} on {result['device']}, {mode} compiles, Triton cache of "
+          f"{result['cache_entries_at_start']} entries at start: start-up {result['startup_s']:.1f} s; "
+          f"{c.get('compiled')} kernels compiled ({c.get('s')} s of compile time summed over threads), "
+          f"{c.get('disk_hits')} loaded from disk; first request {result['first_request_ms']:.0f} ms, "
+          f"tokens {result['first_request_tokens']}", flush=True)
     for name, entry in c.get("top", {}).items():
         print(f"  {name}: {entry}", flush=True)
     out = Path(args.out or os.environ.get("OUT") or ".")
