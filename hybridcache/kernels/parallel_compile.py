@@ -1,7 +1,7 @@
 """Triton compiles on a thread pool while an engine starts: an autotuned kernel's candidates compiled at once.
 
-On a machine with an empty Triton cache an engine's start-up is mostly compiling (next-1b: ~80 s against ~8 s with
-the cache kept; docs/bench.md). An autotuned kernel (flash-linear-attention's chunked kernels) compiles each candidate
+On a machine with an empty Triton cache an engine's start-up is mostly compiling (docs/bench.md, "Start-up
+compiles"). An autotuned kernel (flash-linear-attention's chunked kernels) compiles each candidate
 config when its autotuner first times it at a new tuning key, one after another. Inside `parallel_compiles()`, that
 first launch first warms every candidate (`Autotuner.warmup`) under Triton's `AsyncCompileMode`, which hands each
 compile to a thread pool (Triton's passes and ptxas release the GIL), so the autotuner's timings wait only for the
