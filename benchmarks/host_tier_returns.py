@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     table("why it was saved, hit before, shadowed", rows, lambda r: (r.reason, r.was_hit, r.shadowed))
     table("why it was saved, prompt length of its request (32k buckets)", rows,
           lambda r: (r.reason, min(r.prompt_len // 32768, 3) * 32768))
+    table("chunk ends: tokens from it to its request's prompt end (4k buckets)", rows,
+          lambda r: min((r.prompt_len - r.step) // 4096, 8) * 4096 if r.reason == "chunk_end" else None)
     table("chunk ends: share of its request's prompt that hit", rows,
           lambda r: round(min(r.hit_share, 0.99), 1) if r.reason == "chunk_end" else None)
     table("chunk ends: hit before, requests since its request (50s)", rows,
