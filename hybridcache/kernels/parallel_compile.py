@@ -11,6 +11,11 @@ candidate they time while the others compile beside it. Nothing else changes: a 
     with parallel_compiles():       # the engine's start-up on CUDA (`engine/rank_runner.build_runner`)
         ...                         # profiling forward, compiles, graph captures
 
+Our own start-up helpers that compile several variants of a plain kernel one launch after another (the skinny
+GEMM's candidates in `gemm/dense.decide`, the MoE sort's buckets in `moe/grouped.compile_tiles`) run those
+launches under `compiles_only()` first: each launch then hands its compile to the pool and returns at once, so the
+variants compile side by side; a later launch of one waits for its compile and runs.
+
 Without Triton, with a Triton that has no `AsyncCompileMode` (it came in Triton 3.5), or with one usable core, the
 context does nothing.
 """
@@ -86,3 +91,27 @@ def parallel_compiles(workers: int | None = None) -> Iterator[None]:
                 yield
             finally:
                 Autotuner.run = run
+
+
+@contextlib.contextmanager
+def compiles_only() -> Iterator[None]:
+    """While entered, a launch of a plain `@triton.jit` kernel compiles it and does not run it (Triton's `warmup`):
+    the launch's outputs are left unwritten. Inside `parallel_compiles` the compile goes to its pool and the
+    launch returns at once; outside it the launch compiles before it returns, as a first launch would. For loops of
+    independent launches on valid inputs whose outputs nobody reads (compiling a kernel's variants), never around
+    an autotuned kernel (its timings would time nothing) or code that reads a launch's output."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        yield
+        return
+    run = JITFunction.run
+
+    def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        return run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    JITFunction.run = compile_only
+    try:
+        yield
+    finally:
+        JITFunction.run = run

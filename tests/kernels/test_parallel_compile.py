@@ -1,8 +1,9 @@
 """`kernels/parallel_compile.py`: inside `parallel_compiles()`, an autotuned kernel's first launch at a new tuning key
 warms every candidate (each compile handed to Triton's `AsyncCompileMode` pool) before the autotuner times them;
 later launches, warm-ups and single-candidate autotuners go straight through; the patch and the mode end with the
-context. No GPU: the autotuner's own run (which would launch) is replaced by a recorder, so what is checked is the
-wrapper's bookkeeping, and the tuning key against Triton's rule."""
+context. Inside `compiles_only()` a plain kernel's launch becomes its warm-up (compiled, not run). No GPU: the
+autotuner's and the kernel's own runs (which would launch) are replaced by recorders, so what is checked is the
+wrappers' bookkeeping, and the tuning key against Triton's rule."""
 
 from __future__ import annotations
 
@@ -13,8 +14,14 @@ triton = pytest.importorskip("triton")
 
 from triton.runtime import _async_compile  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
-from hybridcache.kernels.parallel_compile import compile_workers, parallel_compiles, tuning_key  # noqa: E402
+from hybridcache.kernels.parallel_compile import (  # noqa: E402
+    compile_workers,
+    compiles_only,
+    parallel_compiles,
+    tuning_key,
+)
 
 needs_async_mode = pytest.mark.skipif(not hasattr(triton, "AsyncCompileMode"),
                                       reason="this Triton has no AsyncCompileMode")
@@ -100,3 +107,21 @@ def test_a_nested_context_and_one_worker_change_nothing(recorder: Recorder):
 
 def test_compile_workers_is_the_usable_cores_capped():
     assert 1 <= compile_workers() <= 16
+
+
+def test_compiles_only_turns_a_plain_launch_into_its_warm_up(monkeypatch: pytest.MonkeyPatch):
+    launches: list[tuple] = []
+
+    def recording_run(self: JITFunction, *args, grid, warmup, **kwargs):
+        launches.append((args, grid, warmup, kwargs))
+
+    monkeypatch.setattr(JITFunction, "run", recording_run)
+    kernel = JITFunction(_scale_kernel.fn)  # compiled (not interpreted) whatever TRITON_INTERPRET says
+    x = torch.zeros(64)
+    with compiles_only():
+        kernel[(2,)](x, 64, BLOCK=32)
+        kernel.warmup(x, 32, grid=(1,), BLOCK=32)  # a warm-up stays one
+    kernel[(2,)](x, 64, BLOCK=32)  # after the context: launched again
+    assert launches == [((x, 64), (2,), True, {"BLOCK": 32}), ((x, 32), (1,), True, {"BLOCK": 32}),
+                        ((x, 64), (2,), False, {"BLOCK": 32})]
+    assert JITFunction.run is recording_run

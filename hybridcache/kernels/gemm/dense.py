@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridcache.kernels.parallel_compile import compiles_only
+
 REPS = 20  # GEMMs per timed graph replay
 MARGIN = 0.95  # the skinny GEMM replaces cuBLAS only when at least 5 % faster (a near tie would flip between runs)
 COLD_BYTES = 128 << 20  # the weight copies cycled in a timed replay: more than the H200's 50 MB L2
@@ -97,19 +99,21 @@ _SWIGLU_COMPILED: set[tuple] = set()
 
 
 def _compile_swiglu(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """Run the skinny GEMM's SWIGLU variant of every row bucket's choice once (on gate and up views of one
-    [rows, 2K] tensor, the MLP's layout), so that the first call compiles them all, at start-up, not the first
-    request of another bucket. Not while a graph is being captured (then it waits for an eager call)."""
+    """Compile the skinny GEMM's SWIGLU variant of every row bucket's choice (launched on gate and up views of one
+    [rows, 2K] tensor, the MLP's layout, under `compiles_only`), so that the first call compiles them all, at
+    start-up, not the first request of another bucket. Not while a graph is being captured (then it waits for an
+    eager call)."""
     from hybridcache.kernels.gemm.triton_skinny import MAX_ROWS, SkinnyConfig, block_rows, skinny_linear
 
     if torch.cuda.is_current_stream_capturing():
         return
     n, k = weight.shape
-    for rows in (16, 32, MAX_ROWS):
-        choice = _CHOICES.get((weight.device, weight.dtype, n, k, bias is not None, block_rows(rows)))
-        if choice is not None and isinstance(choice.config, SkinnyConfig):
-            gate, up = torch.zeros(rows, 2 * k, dtype=weight.dtype, device=weight.device).split([k, k], dim=-1)
-            skinny_linear(gate, weight, bias, choice.config, up=up)
+    with compiles_only():  # the buckets' variants compile side by side (on the start-up's pool)
+        for rows in (16, 32, MAX_ROWS):
+            choice = _CHOICES.get((weight.device, weight.dtype, n, k, bias is not None, block_rows(rows)))
+            if choice is not None and isinstance(choice.config, SkinnyConfig):
+                gate, up = torch.zeros(rows, 2 * k, dtype=weight.dtype, device=weight.device).split([k, k], dim=-1)
+                skinny_linear(gate, weight, bias, choice.config, up=up)
     _SWIGLU_COMPILED.add((weight.device, weight.dtype, n, k, bias is not None))
 
 
@@ -177,7 +181,7 @@ def decide(weight: torch.Tensor, has_bias: bool) -> None:
     """Measure cuBLAS and every candidate tile for each row bucket of this weight's shape and record the fastest
     (module docstring). The weight itself is read, with random copies of it added until they exceed `COLD_BYTES`
     (none for a weight that large: a model's largest, e.g. a 150k-token lm_head, is not copied). Synchronises the
-    device; runs each candidate eagerly first (compiles)."""
+    device; compiles every candidate first (side by side inside `parallel_compiles`)."""
     from hybridcache.kernels.gemm import triton_skinny
 
     device, dtype, (n, k) = weight.device, weight.dtype, weight.shape
@@ -187,15 +191,20 @@ def decide(weight: torch.Tensor, has_bias: bool) -> None:
     weights = [weight] + [(torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(dtype)
                           for _ in range(extra)]
     bias = torch.randn(n, generator=gen, device=device).to(dtype) if has_bias else None
-    for block_m in (16, 32, triton_skinny.MAX_ROWS):
-        x = torch.randn(block_m, k, generator=gen, device=device).to(dtype)
+    xs = {block_m: torch.randn(block_m, k, generator=gen, device=device).to(dtype)
+          for block_m in (16, 32, triton_skinny.MAX_ROWS)}
+    tried = {block_m: [c for c in candidates(n, k, block_m, sms) if not c.tma or triton_skinny.tma_ready(weight)]
+             for block_m in xs}
+    with compiles_only():  # every candidate's compile at once (on the start-up's pool), then each timed in turn
+        for block_m, x in xs.items():
+            for config in tried[block_m]:
+                triton_skinny.skinny_linear(x, weight, bias, config)
+    for block_m, x in xs.items():
         runs = {"cublas": (None, lambda w, x=x: F.linear(x, w, bias))}
         if not has_bias:
             zero = _ZERO_BIAS.setdefault((device, dtype, n), torch.zeros(n, dtype=dtype, device=device))
             runs[CUBLASLT.describe()] = (CUBLASLT, lambda w, x=x, zero=zero: F.linear(x, w, zero))
-        for config in candidates(n, k, block_m, sms):
-            if config.tma and not triton_skinny.tma_ready(weight):
-                continue
+        for config in tried[block_m]:
             runs[config.describe()] = (config, lambda w, x=x, c=config: triton_skinny.skinny_linear(x, w, bias, c))
         times = {name: replay_us(run, weights, device) for name, (_, run) in runs.items()}
         best = min(times, key=times.get)

@@ -33,6 +33,7 @@ from hybridcache.kernels.activation.triton import relu_square, silu_mul
 from hybridcache.kernels.moe.reference import RELU2, SILU_GATED, check_activation
 from hybridcache.kernels.moe.triton_experts import combine, expert_gemm, spread
 from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, MAX_PAIRS, block_sizes, sort_pairs_triton
+from hybridcache.kernels.parallel_compile import compiles_only
 from hybridcache.kernels.streams import Pending, joined
 
 
@@ -183,24 +184,28 @@ def grouped_experts(
 
 
 def compile_tiles(x: torch.Tensor, experts: ExpertWeights, top_k: int) -> None:
-    """Run every Triton variant the routed experts can launch for this block's shapes once, on x's dtype and
-    device, so that they compile when the engine starts (its profiling forward stacks the experts) and not inside
+    """Compile every Triton variant the routed experts can launch for this block's shapes (each launched once on
+    x's dtype and device under `parallel_compile.compiles_only`: side by side, nothing run), so that they compile
+    when the engine starts (its profiling forward stacks the experts) and not inside
     the first request that needs one (what that costs: docs/bench.md, "Start-up compiles"): the one-launch sort at
     each of its pair-count buckets (`triton_sort.block_sizes`), the expert GEMM with each tile `tile_rows` can
     pick (each with its `launch_tile`), and the combine of its output (alone, with the shared expert's gated add
     and with an ungated one)."""
     num_experts = experts.gate_up.shape[0]
     if x.is_cuda and num_experts <= MAX_EXPERTS:
-        for block_n in block_sizes():
-            sort_pairs_triton(torch.arange(block_n, device=x.device).remainder(num_experts)[:, None], num_experts)
+        with compiles_only():
+            for block_n in block_sizes():
+                sort_pairs_triton(torch.arange(block_n, device=x.device).remainder(num_experts)[:, None],
+                                  num_experts)
     ids = torch.arange(top_k, device=x.device).remainder(num_experts)[None, :]
-    order, counts = sort_pairs(ids, num_experts)
+    order, counts = sort_pairs(ids, num_experts)  # run: the launches below take its output
     token = torch.zeros((1, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device)
     weights = torch.ones((1, top_k), dtype=x.dtype, device=x.device)
-    for block_m in (16, 32, 64):
-        combine(expert_rows_triton(token, order, counts, top_k, experts, block_m), weights)
-    combine(token.repeat(top_k, 1), weights, shared=(token[:, :1], token))  # with the shared expert's gated add
-    combine(token.repeat(top_k, 1), weights, shared=(None, token))  # with an ungated one (Granite's shared MLP)
+    with compiles_only():
+        for block_m in (16, 32, 64):
+            combine(expert_rows_triton(token, order, counts, top_k, experts, block_m), weights)
+        combine(token.repeat(top_k, 1), weights, shared=(token[:, :1], token))  # the shared expert's gated add
+        combine(token.repeat(top_k, 1), weights, shared=(None, token))  # an ungated one (Granite's shared MLP)
 
 
 def pair_rows(order: torch.Tensor) -> torch.Tensor:
