@@ -620,20 +620,22 @@ def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int, w8a16:
     where it runs; with the shared expert in the stack, `with_shared` and the combine of k + 1 picks. `w8a16`: what
     the backend passes `fp8_grouped_experts` (True on fp32 x, `fp8_exact`: the W8A16 variants of those tiles)."""
     from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, block_size, block_sizes, sort_pairs_triton
+    from hybridcache.kernels.parallel_compile import compiles_only
 
     num_experts = experts.gate_up.shape[0]
     routed = num_experts - experts.shared
     if x.is_cuda and num_experts <= MAX_EXPERTS:
-        for pairs in block_sizes():
-            sort_pairs_triton(torch.arange(pairs, device=x.device).remainder(routed)[:, None], num_experts,
-                              experts.shared)
-            tokens = max(1, pairs // top_k)
-            if experts.shared and not w8a16 and block_size(tokens * top_k) == pairs:  # the decode prologue here
-                ids = torch.arange(tokens * top_k, device=x.device).remainder(routed).view(tokens, top_k)
-                shared_prologue(torch.zeros((tokens, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device),
-                                torch.ones((tokens, top_k), dtype=x.dtype, device=x.device), ids,
-                                torch.zeros((tokens, num_experts), dtype=x.dtype, device=x.device)[:, -1:],
-                                num_experts)  # the gate: a column of the router's output, as in the block
+        with compiles_only():  # one launch each: side by side on the start-up's pool, nothing run
+            for pairs in block_sizes():
+                sort_pairs_triton(torch.arange(pairs, device=x.device).remainder(routed)[:, None], num_experts,
+                                  experts.shared)
+                tokens = max(1, pairs // top_k)
+                if experts.shared and not w8a16 and block_size(tokens * top_k) == pairs:  # the decode prologue
+                    ids = torch.arange(tokens * top_k, device=x.device).remainder(routed).view(tokens, top_k)
+                    shared_prologue(torch.zeros((tokens, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device),
+                                    torch.ones((tokens, top_k), dtype=x.dtype, device=x.device), ids,
+                                    torch.zeros((tokens, num_experts), dtype=x.dtype, device=x.device)[:, -1:],
+                                    num_experts)  # the gate: a column of the router's output, as in the block
     from hybridcache.kernels.moe.grouped import tile_rows
 
     def tokens_of(count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
