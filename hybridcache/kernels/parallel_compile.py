@@ -23,7 +23,9 @@ context does nothing.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -93,25 +95,41 @@ def parallel_compiles(workers: int | None = None) -> Iterator[None]:
                 Autotuner.run = run
 
 
+_COMPILE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("compile_only", default=False)
+_PATCH_LOCK = threading.Lock()
+_patch_users = 0  # threads inside `compiles_only`: JITFunction.run is wrapped while there is one
+
+
 @contextlib.contextmanager
 def compiles_only() -> Iterator[None]:
-    """While entered, a launch of a plain `@triton.jit` kernel compiles it and does not run it (Triton's `warmup`):
-    the launch's outputs are left unwritten. Inside `parallel_compiles` the compile goes to its pool and the
-    launch returns at once; outside it the launch compiles before it returns, as a first launch would. For loops of
-    independent launches on valid inputs whose outputs nobody reads (compiling a kernel's variants), never around
-    an autotuned kernel (its timings would time nothing) or code that reads a launch's output."""
+    """While entered, a launch of a plain `@triton.jit` kernel by this thread compiles it and does not run it
+    (Triton's `warmup`): the launch's outputs are left unwritten. Inside `parallel_compiles` the compile goes to its
+    pool and the launch returns at once; outside it the launch compiles before it returns, as a first launch would.
+    Other threads' launches run as usual. For loops of independent launches on valid inputs whose outputs nobody
+    reads (compiling a kernel's variants), never around an autotuned kernel (its timings would time nothing) or
+    code that reads a launch's output."""
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:
         yield
         return
-    run = JITFunction.run
+    global _patch_users
+    with _PATCH_LOCK:
+        if _patch_users == 0:
+            run = JITFunction.run
 
-    def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
-        return run(self, *args, grid=grid, warmup=True, **kwargs)
+            def maybe_compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+                return run(self, *args, grid=grid, warmup=warmup or _COMPILE_ONLY.get(), **kwargs)
 
-    JITFunction.run = compile_only
+            maybe_compile_only.original = run  # type: ignore[attr-defined]
+            JITFunction.run = maybe_compile_only
+        _patch_users += 1
+    token = _COMPILE_ONLY.set(True)
     try:
         yield
     finally:
-        JITFunction.run = run
+        _COMPILE_ONLY.reset(token)
+        with _PATCH_LOCK:
+            _patch_users -= 1
+            if _patch_users == 0:
+                JITFunction.run = JITFunction.run.original

@@ -7,6 +7,8 @@ wrappers' bookkeeping, and the tuning key against Triton's rule."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -121,7 +123,14 @@ def test_compiles_only_turns_a_plain_launch_into_its_warm_up(monkeypatch: pytest
     with compiles_only():
         kernel[(2,)](x, 64, BLOCK=32)
         kernel.warmup(x, 32, grid=(1,), BLOCK=32)  # a warm-up stays one
+        with compiles_only():  # nested: still compile-only, and the outer exit ends it
+            kernel[(3,)](x, 64, BLOCK=32)
+        other = threading.Thread(target=lambda: kernel[(4,)](x, 64, BLOCK=32))
+        other.start()  # another thread's launch runs
+        other.join()
+        kernel[(5,)](x, 64, BLOCK=32)
     kernel[(2,)](x, 64, BLOCK=32)  # after the context: launched again
-    assert launches == [((x, 64), (2,), True, {"BLOCK": 32}), ((x, 32), (1,), True, {"BLOCK": 32}),
-                        ((x, 64), (2,), False, {"BLOCK": 32})]
+    assert [(grid, warmup) for _, grid, warmup, _ in launches] == [
+        ((2,), True), ((1,), True), ((3,), True), ((4,), False), ((5,), True), ((2,), False)]
+    assert launches[0] == ((x, 64), (2,), True, {"BLOCK": 32})
     assert JITFunction.run is recording_run
