@@ -186,11 +186,11 @@ def grouped_experts(
 def compile_tiles(x: torch.Tensor, experts: ExpertWeights, top_k: int) -> None:
     """Compile every Triton variant the routed experts can launch for this block's shapes (each launched once on
     x's dtype and device under `parallel_compile.compiles_only`: side by side, nothing run), so that they compile
-    when the engine starts (its profiling forward stacks the experts) and not inside
-    the first request that needs one (what that costs: docs/bench.md, "Start-up compiles"): the one-launch sort at
-    each of its pair-count buckets (`triton_sort.block_sizes`), the expert GEMM with each tile `tile_rows` can
-    pick (each with its `launch_tile`), and the combine of its output (alone, with the shared expert's gated add
-    and with an ungated one)."""
+    when the engine starts (its profiling forward stacks the experts) and not inside the first request that needs
+    one (what that costs: docs/bench.md, "Start-up compiles"): the one-launch sort at each of its pair-count
+    buckets (`triton_sort.block_sizes`), the expert GEMM with each tile `tile_rows` can pick (each with its
+    `launch_tile`), and the combine of its output (alone, with the shared expert's gated add and with an ungated
+    one)."""
     num_experts = experts.gate_up.shape[0]
     if x.is_cuda and num_experts <= MAX_EXPERTS:
         with compiles_only():
