@@ -72,7 +72,8 @@ def parallel_compiles(workers: int | None = None) -> Iterator[None]:
     warmed: set[tuple[int, tuple]] = set()
 
     def run_after_warming(self: Autotuner, *args: Any, **kwargs: Any) -> Any:
-        if len(self.configs) > 1 and not kwargs.get("warmup"):
+        # only this thread's launches (Triton's mode is per thread: another thread's warm-up would compile serially)
+        if _async_compile.active_mode.get() is mode and len(self.configs) > 1 and not kwargs.get("warmup"):
             key = tuning_key(self, args, kwargs)
             if key not in self.cache and (id(self), key) not in warmed:
                 warmed.add((id(self), key))

@@ -85,7 +85,11 @@ def test_the_first_launch_at_a_key_warms_every_candidate_once(recorder: Recorder
         assert len(recorder.warmups) == 1
         kernel.run(x, 128, grid=(1,), warmup=False)  # a new key
         assert [args for args, _ in recorder.warmups] == [(x, 64), (x, 128)]
-    assert len(recorder.runs) == 5  # every launch still ran
+        other = threading.Thread(target=lambda: kernel.run(x, 256, grid=(1,), warmup=False))
+        other.start()  # another thread (outside the pool's mode): launched, nothing warmed
+        other.join()
+        assert len(recorder.warmups) == 2
+    assert len(recorder.runs) == 6  # every launch still ran
     assert Autotuner.run is original
     assert _async_compile.active_mode.get() is None
 
