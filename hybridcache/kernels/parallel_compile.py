@@ -26,7 +26,7 @@ import contextlib
 import contextvars
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -51,11 +51,66 @@ def tuning_key(autotuner: Any, args: tuple, kwargs: dict) -> tuple:
     return tuple(key)
 
 
+# Per thread (each thread starts with an empty context): the autotuners' keys warmed inside this thread's
+# `parallel_compiles` (None outside it), and whether this thread is inside `compiles_only`.
+_WARMED: contextvars.ContextVar[set[tuple[int, tuple]] | None] = contextvars.ContextVar("warmed", default=None)
+_COMPILE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("compile_only", default=False)
+_PATCH_LOCK = threading.Lock()
+_PATCH_USERS: dict[tuple[type, str], int] = {}  # contexts inside `_patched(owner, name, ...)`, all threads
+
+
+@contextlib.contextmanager
+def _patched(owner: type, name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """`owner.name` is `wrap(original)` while any thread is inside a `_patched` of it (counted, so threads that
+    enter and leave in any order restore the original once, when the last leaves). The wrapper is shared by every
+    thread: it must act only for threads whose context says so (a ContextVar) and call the original otherwise."""
+    key = (owner, name)
+    with _PATCH_LOCK:
+        if not _PATCH_USERS.get(key):
+            original = getattr(owner, name)
+            wrapper = wrap(original)
+            wrapper.original = original  # type: ignore[attr-defined]
+            setattr(owner, name, wrapper)
+        _PATCH_USERS[key] = _PATCH_USERS.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            _PATCH_USERS[key] -= 1
+            if not _PATCH_USERS[key]:
+                setattr(owner, name, getattr(owner, name).original)
+
+
+def _warming_first(run: Callable) -> Callable:
+    """`Autotuner.run` that, inside this thread's `parallel_compiles`, warms every candidate at a new tuning key
+    before `run` times them."""
+
+    def run_after_warming(self: Any, *args: Any, **kwargs: Any) -> Any:
+        warmed = _WARMED.get()
+        if warmed is not None and len(self.configs) > 1 and not kwargs.get("warmup"):
+            key = tuning_key(self, args, kwargs)
+            if key not in self.cache and (id(self), key) not in warmed:
+                warmed.add((id(self), key))
+                self.warmup(*args, **{name: value for name, value in kwargs.items() if name != "warmup"})
+        return run(self, *args, **kwargs)
+
+    return run_after_warming
+
+
+def _compiling_only(run: Callable) -> Callable:
+    """`JITFunction.run` that, inside this thread's `compiles_only`, warms up (compiles) instead of launching."""
+
+    def maybe_compile_only(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        return run(self, *args, grid=grid, warmup=warmup or _COMPILE_ONLY.get(), **kwargs)
+
+    return maybe_compile_only
+
+
 @contextlib.contextmanager
 def parallel_compiles(workers: int | None = None) -> Iterator[None]:
-    """While entered, autotuned Triton kernels compile their candidates on a pool of `workers` threads (None:
-    `compile_workers()`); on exit every compile it started has finished. Not reentrant (Triton allows one
-    `AsyncCompileMode` at a time): a nested use does nothing."""
+    """While entered, this thread's autotuned Triton kernels compile their candidates on a pool of `workers`
+    threads (None: `compile_workers()`); on exit every compile it started has finished. Not reentrant (Triton
+    allows one `AsyncCompileMode` at a time per thread): a nested use does nothing."""
     workers = compile_workers() if workers is None else workers
     try:
         import triton
@@ -68,18 +123,6 @@ def parallel_compiles(workers: int | None = None) -> Iterator[None]:
     if mode_type is None or workers < 2 or _async_compile.active_mode.get() is not None:
         yield
         return
-    run = Autotuner.run
-    warmed: set[tuple[int, tuple]] = set()
-
-    def run_after_warming(self: Autotuner, *args: Any, **kwargs: Any) -> Any:
-        # only this thread's launches (Triton's mode is per thread: another thread's warm-up would compile serially)
-        if _async_compile.active_mode.get() is mode and len(self.configs) > 1 and not kwargs.get("warmup"):
-            key = tuning_key(self, args, kwargs)
-            if key not in self.cache and (id(self), key) not in warmed:
-                warmed.add((id(self), key))
-                self.warmup(*args, **{name: value for name, value in kwargs.items() if name != "warmup"})
-        return run(self, *args, **kwargs)
-
     with ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool:
         # a candidate that cannot compile (too much shared memory) fails when the autotuner times it, as without
         # the pool; ignore_errors keeps the exit's wait from raising it a second time (a Triton without it: no pool)
@@ -88,17 +131,12 @@ def parallel_compiles(workers: int | None = None) -> Iterator[None]:
         except TypeError:
             yield
             return
-        with mode:
-            Autotuner.run = run_after_warming
+        with mode, _patched(Autotuner, "run", _warming_first):
+            token = _WARMED.set(set())
             try:
                 yield
             finally:
-                Autotuner.run = run
-
-
-_COMPILE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("compile_only", default=False)
-_PATCH_LOCK = threading.Lock()
-_patch_users = 0  # threads inside `compiles_only`: JITFunction.run is wrapped while there is one
+                _WARMED.reset(token)
 
 
 @contextlib.contextmanager
@@ -114,23 +152,9 @@ def compiles_only() -> Iterator[None]:
     except ImportError:
         yield
         return
-    global _patch_users
-    with _PATCH_LOCK:
-        if _patch_users == 0:
-            run = JITFunction.run
-
-            def maybe_compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
-                return run(self, *args, grid=grid, warmup=warmup or _COMPILE_ONLY.get(), **kwargs)
-
-            maybe_compile_only.original = run  # type: ignore[attr-defined]
-            JITFunction.run = maybe_compile_only
-        _patch_users += 1
-    token = _COMPILE_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _COMPILE_ONLY.reset(token)
-        with _PATCH_LOCK:
-            _patch_users -= 1
-            if _patch_users == 0:
-                JITFunction.run = JITFunction.run.original
+    with _patched(JITFunction, "run", _compiling_only):
+        token = _COMPILE_ONLY.set(True)
+        try:
+            yield
+        finally:
+            _COMPILE_ONLY.reset(token)

@@ -138,3 +138,31 @@ def test_compiles_only_turns_a_plain_launch_into_its_warm_up(monkeypatch: pytest
         ((2,), True), ((1,), True), ((3,), True), ((4,), False), ((5,), True), ((2,), False)]
     assert launches[0] == ((x, 64), (2,), True, {"BLOCK": 32})
     assert JITFunction.run is recording_run
+
+
+def test_threads_leaving_in_any_order_restore_the_launch_once(monkeypatch: pytest.MonkeyPatch):
+    def original_run(self, *args, grid, warmup, **kwargs):
+        return warmup
+
+    monkeypatch.setattr(JITFunction, "run", original_run)
+    kernel = JITFunction(_scale_kernel.fn)
+    x = torch.zeros(8)
+    entered, leave_b = threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def thread_b() -> None:
+        with compiles_only():
+            entered.set()
+            leave_b.wait()
+            seen["b"] = kernel[(1,)](x, 8, BLOCK=8)
+
+    b = threading.Thread(target=thread_b)
+    with compiles_only():  # this thread enters first and leaves first
+        b.start()
+        entered.wait()
+    assert JITFunction.run is not original_run  # b is still inside
+    assert kernel[(1,)](x, 8, BLOCK=8) is False  # this thread's launch runs again
+    leave_b.set()
+    b.join()
+    assert seen == {"b": True}  # b's launch inside its context was a warm-up
+    assert JITFunction.run is original_run
