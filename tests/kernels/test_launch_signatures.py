@@ -41,7 +41,7 @@ UNEXPLAINED = {
         "fla-core's kernel (pyproject `cuda` extra pins 0.6), not ours: its parameters live in the fla package",
     ("benchmarks/fp8_sweep.py", "timed_cuda", "calls"):
         "`calls[i]()` runs the benchmark's closures (a list passed down from `timed`), not a kernel",
-    ("hybridcache/kernels/parallel_compile.py", "parallel_compiles", "self"):
+    ("hybridcache/kernels/parallel_compile.py", "_warming_first", "self"):
         "any autotuned kernel's `Autotuner.warmup`, forwarding the launch's own arguments (fla's kernels), not ours",
 }
 
