@@ -24,6 +24,7 @@ another `--dist` a folder's parents may be split between workers: each parent th
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import inspect
 import os
@@ -98,8 +99,11 @@ class Batch:
                                             stderr=subprocess.STDOUT, text=True)
 
     def wait(self) -> None:
+        """Wait for the batch, at most its summed timeout. pytest's `faulthandler_timeout` dump of this waiting
+        process is cancelled first: the wait has its own limit, and the child dumps its own stacks on a hang."""
         self.start()
         if self.returncode is None:
+            faulthandler.cancel_dump_traceback_later()
             try:
                 self.returncode = self.process.wait(timeout=self.timeout)
             except subprocess.TimeoutExpired:
