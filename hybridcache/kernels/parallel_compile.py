@@ -60,10 +60,12 @@ _PATCH_USERS: dict[tuple[type, str], int] = {}  # contexts inside `_patched(owne
 
 
 @contextlib.contextmanager
-def _patched(owner: type, name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+def _patched(owner: type, name: str, wrap: Callable[[Callable], Callable], var: contextvars.ContextVar,
+             value: Any) -> Iterator[None]:
     """`owner.name` is `wrap(original)` while any thread is inside a `_patched` of it (counted, so threads that
-    enter and leave in any order restore the original once, when the last leaves). The wrapper is shared by every
-    thread: it must act only for threads whose context says so (a ContextVar) and call the original otherwise."""
+    enter and leave in any order restore the original once, when the last leaves), and this thread's `var` is
+    `value` (restored on exit). The wrapper is shared by every thread: it must act only where `var` says so and
+    call the original otherwise."""
     key = (owner, name)
     with _PATCH_LOCK:
         if not _PATCH_USERS.get(key):
@@ -72,9 +74,11 @@ def _patched(owner: type, name: str, wrap: Callable[[Callable], Callable]) -> It
             wrapper.original = original  # type: ignore[attr-defined]
             setattr(owner, name, wrapper)
         _PATCH_USERS[key] = _PATCH_USERS.get(key, 0) + 1
+    token = var.set(value)
     try:
         yield
     finally:
+        var.reset(token)
         with _PATCH_LOCK:
             _PATCH_USERS[key] -= 1
             if not _PATCH_USERS[key]:
@@ -131,12 +135,8 @@ def parallel_compiles(workers: int | None = None) -> Iterator[None]:
         except TypeError:
             yield
             return
-        with mode, _patched(Autotuner, "run", _warming_first):
-            token = _WARMED.set(set())
-            try:
-                yield
-            finally:
-                _WARMED.reset(token)
+        with mode, _patched(Autotuner, "run", _warming_first, _WARMED, set()):
+            yield
 
 
 @contextlib.contextmanager
@@ -152,9 +152,5 @@ def compiles_only() -> Iterator[None]:
     except ImportError:
         yield
         return
-    with _patched(JITFunction, "run", _compiling_only):
-        token = _COMPILE_ONLY.set(True)
-        try:
-            yield
-        finally:
-            _COMPILE_ONLY.reset(token)
+    with _patched(JITFunction, "run", _compiling_only, _COMPILE_ONLY, True):
+        yield
